@@ -1,0 +1,46 @@
+"""Config sections every stack shares. Names follow Megatron-LM where it has one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    train_iters: int = 100
+    lr: float = 3.0e-4
+    min_lr: float = 3.0e-5
+    lr_warmup_iters: int = 10
+    lr_decay_style: str = "cosine"  # cosine | linear | constant | wsd
+    lr_wsd_decay_iters: int = 0  # wsd: length of the final decay phase (0: 10% of train_iters)
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    recompute: bool = False  # full activation recompute, one layer at a time
+    max_bad_steps: int = 5  # consecutive NaN/Inf steps tolerated (each skipped) before stopping
+    log_interval: int = 1
+    eval_interval: int = 0  # 0: never
+    eval_iters: int = 2
+    save_interval: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
+
+
+@dataclass
+class CheckpointConfig:
+    run_dir: str = "runs/default"
+    load: Optional[str] = None  # HF model directory or LoongForge checkpoint to start from
+    resume: bool = False  # continue from run_dir's checkpoints even if the config changed
+    overwrite: bool = False  # move another run's checkpoints in run_dir aside and start fresh
+    export_hf: bool = True  # write an HF directory at the end of training
+    keep_last: int = 0  # 0: keep every checkpoint

@@ -1,0 +1,138 @@
+"""Read and write HF-format checkpoint directories (config.json + safetensors)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from loongforge.core.errors import UserError
+from loongforge.core.foundation.spec import FamilySpec, ModelConfig
+
+SHARD_BYTES = 4 * 1024**3
+
+
+def is_hf_dir(path) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
+def read_hf_config(hf_dir, families: dict[str, FamilySpec]) -> tuple[FamilySpec, ModelConfig]:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{hf_dir}: not an HF model directory (no config.json)")
+    c = json.loads(path.read_text())
+    by_type = {f.hf_model_type: f for f in families.values()}
+    mt = c.get("model_type")
+    if mt not in by_type:
+        raise UserError(f"{hf_dir}: unknown model_type {mt!r}; supported: {', '.join(sorted(by_type))}")
+    fam = by_type[mt]
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = c.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    rope.pop("rope_theta", None)
+    partial = rope.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    heads = c["num_attention_heads"]
+    cfg = ModelConfig(
+        family=fam.name,
+        num_layers=c["num_hidden_layers"],
+        hidden_size=c["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=c.get("num_key_value_heads") or heads,
+        ffn_hidden_size=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        max_position_embeddings=c.get("max_position_embeddings", 2048),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        rotary_percent=float(partial),
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=bool(c.get("attention_bias", fam.qkv_bias)) if fam.name != "qwen2" else True,
+        qk_norm=fam.qk_norm,
+        init_std=c.get("initializer_range", 0.02),
+    )
+    return fam, cfg
+
+
+def hf_config_dict(fam: FamilySpec, cfg: ModelConfig, dtype: torch.dtype, extra: dict | None = None) -> dict:
+    rope_params = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    if cfg.rotary_percent != 1.0:
+        rope_params["partial_rotary_factor"] = cfg.rotary_percent
+    d = {
+        "architectures": [fam.hf_architecture],
+        "model_type": fam.hf_model_type,
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "head_dim": cfg.kv_channels,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": rope_params,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": "silu",
+        "initializer_range": cfg.init_std,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    if fam.name == "llama":
+        d["attention_bias"] = bool(cfg.qkv_bias)
+        d["mlp_bias"] = False
+    return {**d, **(extra or {})}
+
+
+def load_hf_state(hf_dir) -> dict:
+    from safetensors import safe_open
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{hf_dir}: no *.safetensors weights found")
+    state = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    state[k] = fh.get_tensor(k)
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise UserError(f"{f}: cannot read safetensors file ({e})") from None
+    return state
+
+
+def save_hf(out_dir, fam: FamilySpec, cfg: ModelConfig, hf_state: dict, dtype=torch.float32, extra_config: dict | None = None) -> None:
+    """Write config.json and safetensors shards (with an index when more than one) into a fresh
+    directory; files land in a temporary sibling first, then the directory is renamed into place."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out}: output directory exists and is not empty; choose a new one")
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=False)
+    shards, cur, size = [], {}, 0
+    for k, v in hf_state.items():
+        v = v.to(dtype).contiguous()
+        if cur and size + v.numel() * v.element_size() > SHARD_BYTES:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = v
+        size += v.numel() * v.element_size()
+    shards.append(cur)
+    weight_map = {}
+    for n, shard in enumerate(shards):
+        name = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    if len(shards) > 1:
+        total = sum(v.numel() * v.element_size() for s in shards for v in s.values())
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_config_dict(fam, cfg, dtype, extra_config), indent=2))
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)

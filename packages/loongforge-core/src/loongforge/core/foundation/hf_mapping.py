@@ -1,0 +1,104 @@
+"""HF <-> LoongForge name-mapping tables and the converters they drive.
+
+A table row names one LoongForge (megatron-core, TP=1 layout) tensor, the HF tensors it is made
+of and the transform between them. The same rows serve offline conversion and online load/save.
+`{i}` stands for the layer index.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from loongforge.core.errors import UserError
+
+
+@dataclass(frozen=True)
+class Row:
+    lf: str
+    hf: tuple[str, ...]
+    transform: str = "copy"  # copy | qkv | concat
+    optional: bool = False  # absent on one side (tied output layer, bias off, no qk norm)
+
+
+def _qkv_fuse(q, k, v, groups: int):
+    rest = q.shape[1:]
+    q = q.reshape(groups, -1, *rest)
+    k = k.reshape(groups, -1, *rest)
+    v = v.reshape(groups, -1, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _qkv_split(qkv, groups: int, heads: int, head_dim: int):
+    rest = qkv.shape[1:]
+    per = heads // groups
+    x = qkv.reshape(groups, (per + 2) * head_dim, *rest)
+    q, k, v = torch.split(x, [per * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _expand(row: Row, num_layers: int):
+    if "{i}" not in row.lf:
+        yield row.lf, row.hf
+        return
+    for i in range(num_layers):
+        yield row.lf.format(i=i), tuple(h.format(i=i) for h in row.hf)
+
+
+def hf_to_lf(table, hf_state: dict, cfg) -> dict:
+    """HF state dict -> LoongForge TP=1 state dict (every tensor cloned, contiguous)."""
+    out = {}
+    used = set()
+    for row in table:
+        for lf_name, hf_names in _expand(row, cfg.num_layers):
+            missing = [h for h in hf_names if h not in hf_state]
+            if missing:
+                if row.optional:
+                    continue
+                raise UserError(f"HF checkpoint lacks tensor {missing[0]!r} (needed for {lf_name})")
+            ts = [hf_state[h] for h in hf_names]
+            used.update(hf_names)
+            if row.transform == "qkv":
+                t = _qkv_fuse(*ts, groups=cfg.num_query_groups)
+            elif row.transform == "concat":
+                t = torch.cat(ts, dim=0)
+            else:
+                (t,) = ts
+            out[lf_name] = t.detach().clone().contiguous()
+    unused = [k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq")]
+    if cfg.tie_word_embeddings:
+        unused = [k for k in unused if k != "lm_head.weight"]
+    if unused:
+        raise UserError(f"HF checkpoint has tensor {unused[0]!r} that this family does not map ({len(unused)} unmapped)")
+    return out
+
+
+def lf_to_hf(table, lf_state: dict, cfg) -> dict:
+    """LoongForge TP=1 state dict -> HF state dict."""
+    out = {}
+    for row in table:
+        for lf_name, hf_names in _expand(row, cfg.num_layers):
+            if lf_name not in lf_state:
+                if row.optional:
+                    continue
+                raise UserError(f"checkpoint lacks tensor {lf_name!r}")
+            t = lf_state[lf_name]
+            if row.transform == "qkv":
+                parts = _qkv_split(t, cfg.num_query_groups, cfg.num_attention_heads, cfg.kv_channels)
+            elif row.transform == "concat":
+                parts = torch.chunk(t, len(hf_names), dim=0)
+            else:
+                parts = (t,)
+            for h, p in zip(hf_names, parts):
+                out[h] = p.detach().clone().contiguous()
+    return out
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def lf_layer_names_to_global(state: dict, offset: int) -> dict:
+    """Rename a pipeline stage's local layer indices to global ones."""
+    return {_LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", k): v for k, v in state.items()}

@@ -1,0 +1,74 @@
+"""`CausalLM`: a whole (TP=1, PP=1) decoder as a plain module, with HF import/export."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loongforge.core.errors import UserError
+from loongforge.core.foundation import hf_io
+from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf
+from loongforge.core.foundation.spec import FamilySpec, ModelConfig, build_gpt_model
+
+
+def local_state(gpt: nn.Module) -> dict:
+    """A megatron model's tensors, without megatron's `_extra_state` placeholders."""
+    return {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def load_lf_state(gpt: nn.Module, state: dict) -> None:
+    """Copy a TP=1 LoongForge state dict into a TP=1 model, requiring an exact key match."""
+    own = local_state(gpt)
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own))
+    if missing or extra:
+        raise UserError(f"weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for k, t in own.items():
+            if t.shape != state[k].shape:
+                raise UserError(f"weight {k}: shape {tuple(state[k].shape)} does not fit the model's {tuple(t.shape)}")
+            t.copy_(state[k])
+
+
+class CausalLM(nn.Module):
+    """`model(input_ids)` -> logits [batch, seq, vocab]; with `labels`, per-token loss [batch, seq]."""
+
+    def __init__(self, gpt: nn.Module, cfg: ModelConfig, family: FamilySpec):
+        super().__init__()
+        self.gpt = gpt
+        self.cfg = cfg
+        self.family = family
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.gpt(input_ids, None, None, labels=labels)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+        """Greedy decoding (full recompute per token: a correctness path, not a serving one)."""
+        out = input_ids
+        for _ in range(max_new_tokens):
+            nxt = self(out)[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, nxt], dim=1)
+            if eos_token_id is not None and bool((nxt == eos_token_id).all()):
+                break
+        return out
+
+    def hf_state_dict(self) -> dict:
+        return lf_to_hf(self.family.mapping, local_state(self.gpt), self.cfg)
+
+    def save_hf(self, out_dir, dtype: torch.dtype = torch.float32, extra_config: dict | None = None) -> None:
+        hf_io.save_hf(out_dir, self.family, self.cfg, self.hf_state_dict(), dtype, extra_config)
+
+    @classmethod
+    def build(cls, family: FamilySpec, cfg: ModelConfig, ctx, ops=None) -> "CausalLM":
+        cfg = family.resolve(cfg)
+        if ctx.tp_size != 1 or ctx.pp_size != 1:
+            raise UserError("CausalLM holds a whole model; build it in a TP=1, PP=1 process")
+        return cls(build_gpt_model(cfg, ctx, ops), cfg, family)
+
+    @classmethod
+    def from_hf(cls, hf_dir, families: dict, ctx, ops=None) -> "CausalLM":
+        family, cfg = hf_io.read_hf_config(hf_dir, families)
+        model = cls.build(family, cfg, ctx, ops)
+        load_lf_state(model.gpt, hf_to_lf(family.mapping, hf_io.load_hf_state(hf_dir), model.cfg))
+        return model

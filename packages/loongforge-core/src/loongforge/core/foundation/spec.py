@@ -1,0 +1,175 @@
+"""Decoder-only families as declarative specs, and the one builder that turns a spec plus a
+model config into a megatron-core `GPTModel`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from loongforge.core.errors import UserError
+from loongforge.core.ops import OpTable
+from loongforge.core.ops.reference import rope_inv_freq
+
+
+@dataclass
+class ModelConfig:
+    """Shape and options of a decoder backbone; field names follow megatron/HF usage."""
+
+    family: str = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # None: same as num_attention_heads (MHA)
+    ffn_hidden_size: int = 176
+    vocab_size: int = 256
+    head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # HF-style dict, e.g. {"rope_type": "llama3", ...}
+    rotary_percent: float = 1.0
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: Optional[bool] = None  # None: the family's default
+    qk_norm: Optional[bool] = None  # None: the family's default
+    init_std: float = 0.02
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def num_params(self) -> int:
+        """Parameter count (embedding and output counted once if tied)."""
+        h, f, v, d = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.kv_channels
+        nq, nkv = self.num_attention_heads, self.num_query_groups or self.num_attention_heads
+        attn = h * d * (nq + 2 * nkv) + nq * d * h
+        per_layer = attn + 3 * h * f + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What makes a family: its HF identity, its default options and its name-mapping table."""
+
+    name: str
+    hf_model_type: str
+    hf_architecture: str
+    qkv_bias: bool
+    qk_norm: bool
+    mapping: tuple = field(default_factory=tuple)  # rows of foundation.hf_mapping.Row
+
+    def resolve(self, cfg: ModelConfig) -> ModelConfig:
+        """Fill the options the config leaves to the family."""
+        return dataclasses.replace(
+            cfg,
+            qkv_bias=self.qkv_bias if cfg.qkv_bias is None else cfg.qkv_bias,
+            qk_norm=self.qk_norm if cfg.qk_norm is None else cfg.qk_norm,
+            num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
+        )
+
+
+def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.dtype, recompute: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        kv_channels=cfg.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(cfg.qkv_bias),
+        qk_layernorm=bool(cfg.qk_norm),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_std,
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    if recompute:
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kw)
+
+
+def layer_spec(cfg: ModelConfig, ops: OpTable):
+    """megatron-core layer spec: megatron's parallel linears and MLP, our norm and attention."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    from loongforge.core.foundation.layers import RMSNorm, RotarySDPAttention
+
+    rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
+    inv_freq = rope_inv_freq(rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+    norm = ModuleSpec(module=RMSNorm, params={"ops": ops})
+    qk_norm = norm if cfg.qk_norm else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=ModuleSpec(module=RotarySDPAttention, params={"ops": ops, "inv_freq": inv_freq}),
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dtype=torch.float32, recompute: bool = False):
+    """Build this rank's pipeline stage of the model on the CPU (megatron's CPU init makes the
+    weights independent of the TP layout); the caller moves it to the device."""
+    from megatron.core.models.gpt import GPTModel
+
+    if cfg.num_layers % ctx.pp_size:
+        raise UserError(f"model.num_layers={cfg.num_layers} must be divisible by pipeline_model_parallel_size={ctx.pp_size}")
+    for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups)):
+        if n % ctx.tp_size:
+            raise UserError(f"model.{name}={n} must be divisible by tensor_model_parallel_size={ctx.tp_size}")
+    ops = ops or OpTable()
+    model = GPTModel(
+        config=transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute),
+        transformer_layer_spec=layer_spec(cfg, ops),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=ctx.is_first_stage,
+        post_process=ctx.is_last_stage,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="none",
+        pg_collection=ctx.pg_collection(),
+    )
+    return model

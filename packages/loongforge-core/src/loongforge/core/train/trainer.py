@@ -1,0 +1,320 @@
+"""The training loop. A recipe fills `TrainHooks` (how to build the model stage, where batches
+come from, what to do with a finished checkpoint); the trainer owns optimization, gradient
+sync, clipping, the NaN/Inf guard, evaluation, logging, checkpoints and signal handling."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from loongforge.core.checkpoint import CheckpointDir, load_megatron, read_manifest, save_megatron, verify_files
+from loongforge.core.errors import UserError
+from loongforge.core.train.lr import lr_at
+from loongforge.core.train.metrics import Metrics
+from loongforge.core.train.pipeline import forward_backward
+
+
+class TrainingStopped(UserError):
+    """Training cannot go on (repeated NaN/Inf); the newest good checkpoint is kept."""
+
+
+@dataclass
+class TrainHooks:
+    build: Callable[[], torch.nn.Module]  # this rank's model stage, on the device
+    batches: Callable[[int], Iterator[list[dict]]]  # first step -> micro-batch lists, one per step
+    loss_fn: Callable[[torch.Tensor, dict], torch.Tensor]
+    act_shape: tuple[int, ...]  # activation shape passed between pipeline stages
+    tokens_per_step: int  # tokens in one global batch
+    flops_per_token: float  # model FLOPs per trained token (forward + backward)
+    eval_batches: Optional[Callable[[], Iterable[list[dict]]]] = None
+    initial_weights: Optional[Callable[[torch.nn.Module], None]] = None  # run unless resuming
+    on_saved: Optional[Callable[[Path, bool], None]] = None  # (step dir, final) on rank 0
+
+
+def fingerprint(run_identity: dict) -> str:
+    return hashlib.sha256(json.dumps(run_identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def prepare_run_dir(ckpt_cfg, identity: str) -> Path | None:
+    """Decide what `run_dir` holds before anything is built: the checkpoint to resume, None for a
+    fresh start, or a refusal when it holds another run's checkpoints."""
+    ckdir = CheckpointDir(ckpt_cfg.run_dir)
+    latest = ckdir.latest()
+    if latest is None:
+        return None
+    m = read_manifest(latest)
+    if m.get("run_identity") == identity or ckpt_cfg.resume:
+        return latest
+    if ckpt_cfg.overwrite:
+        return None
+    raise UserError(
+        f"{ckpt_cfg.run_dir} holds checkpoints of another run (newest {latest.name}); "
+        "set checkpoint.resume=true to continue from them, checkpoint.overwrite=true to move them aside, or pick a new checkpoint.run_dir"
+    )
+
+
+class Trainer:
+    def __init__(self, train_cfg, ckpt_cfg, ctx, acc, hooks: TrainHooks, run_config: dict, identity: str) -> None:
+        self.cfg = train_cfg
+        self.ckpt_cfg = ckpt_cfg
+        self.ctx = ctx
+        self.acc = acc
+        self.hooks = hooks
+        self.run_config = run_config
+        self.identity = identity
+        self.run_dir = Path(ckpt_cfg.run_dir)
+        self.rank0 = dist.get_rank() == 0
+        self._stop_signal: int | None = None
+
+    # ---- setup -------------------------------------------------------------------------
+    def _optimizer(self, model):
+        decay, no_decay = [], []
+        for p in model.parameters():
+            if p.requires_grad:
+                (no_decay if p.dim() < 2 else decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(
+            groups,
+            lr=self.cfg.lr,
+            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+            eps=self.cfg.adam_eps,
+            fused=self.acc.device_type == "cuda",
+        )
+
+    def _install_signals(self):
+        def handler(signum, frame):
+            self._stop_signal = signum
+
+        return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    # ---- gradients ---------------------------------------------------------------------
+    def _finalize_grads(self, model) -> None:
+        ctx = self.ctx
+        if ctx.pp_size > 1 and ctx.embedding_group is not None:
+            for p in model.parameters():
+                if getattr(p, "shared_embedding", False) and p.grad is not None:
+                    dist.all_reduce(p.grad, group=ctx.embedding_group)
+        if ctx.dp_size > 1:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            for bucket in _buckets(grads, 1 << 25):
+                flat = torch._utils._flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=ctx.dp_group)
+                flat /= ctx.dp_size
+                for g, f in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                    g.copy_(f)
+
+    def _grad_norm(self, model) -> torch.Tensor:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        sq = torch.zeros((), dtype=torch.float32, device=self.acc.device())
+        for p in model.parameters():
+            if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                sq += p.grad.detach().float().pow(2).sum()
+        if self.ctx.tp_size * self.ctx.pp_size > 1:
+            dist.all_reduce(sq, group=self.ctx.mp_group)
+        return sq.sqrt()
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def save(self, model, optimizer, step: int, state: dict, final: bool) -> Path:
+        ckdir = CheckpointDir(self.run_dir)
+        tmp = ckdir.root / f".tmp-{ckdir.step_name(step)}"
+        if self.rank0:
+            ckdir.begin(step)
+        dist.barrier()
+        save_megatron(tmp, model, optimizer)
+        dist.barrier()
+        path = ckdir.root / ckdir.step_name(step)
+        if self.rank0:
+            manifest = {
+                "run_identity": self.identity,
+                "config": self.run_config,
+                "parallel": self.ctx.layout(),
+                "trainer": state,
+                "rng": {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in self.acc.rng_state().items()},
+                "torch_version": torch.__version__,
+            }
+            path = ckdir.commit(tmp, step, manifest, self.ckpt_cfg.keep_last)
+            if self.hooks.on_saved is not None:
+                self.hooks.on_saved(path, final)
+        dist.barrier()
+        return path
+
+    def load(self, model, optimizer, step_dir: Path) -> dict:
+        err = [None]
+        if self.rank0:
+            try:
+                verify_files(step_dir)
+            except UserError as e:
+                err[0] = str(e)
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(err, src=0)
+        if err[0]:
+            raise UserError(err[0])
+        m = read_manifest(step_dir)
+        state = m["trainer"]
+        load_megatron(step_dir, model, optimizer, optimizer_steps=state["optimizer_steps"])
+        rng = {k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8) for k, v in m["rng"].items()}
+        self.acc.set_rng_state({k: v for k, v in rng.items() if k == "cpu" or self.acc.device_type == "cuda"})
+        return state
+
+    # ---- loop --------------------------------------------------------------------------
+    def evaluate(self, model) -> float | None:
+        if self.hooks.eval_batches is None:
+            return None
+        model.eval()
+        losses = []
+        with torch.no_grad():
+            for mbs in self.hooks.eval_batches():
+                losses.append(self._fb(model, mbs, forward_only=True))
+        model.train()
+        if not losses:
+            return None
+        loss = torch.stack(losses).mean()
+        if self.ctx.dp_size > 1:
+            dist.all_reduce(loss, group=self.ctx.dp_group)
+            loss /= self.ctx.dp_size
+        return float(loss)
+
+    def _fb(self, model, mbs, forward_only=False):
+        return forward_backward(
+            model,
+            mbs,
+            self.ctx,
+            self.hooks.loss_fn,
+            self.hooks.act_shape,
+            torch.float32,
+            self.acc.device(),
+            self.acc.autocast,
+            forward_only=forward_only,
+        )
+
+    def run(self, resume_from: Path | None) -> dict:
+        cfg = self.cfg
+        self.acc.manual_seed(cfg.seed)
+        model = self.hooks.build()
+        optimizer = self._optimizer(model)
+        state = {"step": 0, "optimizer_steps": 0, "consumed_samples": 0, "bad_steps": 0}
+        if resume_from is not None:
+            state = self.load(model, optimizer, resume_from)
+            if self.rank0:
+                print(f"resumed from {resume_from} at step {state['step']}", flush=True)
+        elif self.hooks.initial_weights is not None:
+            self.hooks.initial_weights(model)
+        model.train()
+        old_handlers = self._install_signals()
+        metrics = Metrics(self.run_dir, cfg.train_iters, state["step"], enabled=self.rank0)
+        batches = self.hooks.batches(state["step"])
+        peak = self.acc.peak_flops()
+        last_saved = state["step"] if resume_from is not None else -1
+        try:
+            while state["step"] < cfg.train_iters:
+                step = state["step"]
+                t0 = time.perf_counter()
+                self.acc.reset_peak_memory()
+                mbs = next(batches)
+                for p in model.parameters():
+                    p.grad = None
+                loss = self._fb(model, mbs)
+                self._finalize_grads(model)
+                grad_norm = self._grad_norm(model)
+                lr = lr_at(state["optimizer_steps"], cfg)
+                finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+                if finite:
+                    state["bad_steps"] = 0
+                    if cfg.clip_grad > 0:
+                        coef = torch.clamp(cfg.clip_grad / (grad_norm + 1e-6), max=1.0)
+                        for p in model.parameters():
+                            if p.grad is not None:
+                                p.grad.mul_(coef)
+                    for g in optimizer.param_groups:
+                        g["lr"] = lr
+                    optimizer.step()
+                    state["optimizer_steps"] += 1
+                else:
+                    state["bad_steps"] += 1
+                    metrics.write(f"step {step + 1}: non-finite loss or gradient, update skipped ({state['bad_steps']}/{cfg.max_bad_steps})")
+                    if state["bad_steps"] >= cfg.max_bad_steps:
+                        raise TrainingStopped(
+                            f"stopped at step {step + 1}: {state['bad_steps']} consecutive steps with NaN/Inf loss or gradient; "
+                            "lower train.lr, raise train.lr_warmup_iters or check the data"
+                        )
+                self.acc.synchronize()
+                dt = time.perf_counter() - t0
+                state["step"] += 1
+                state["consumed_samples"] += cfg.global_batch_size
+                tps = self.hooks.tokens_per_step / dt
+                record = {
+                    "step": state["step"],
+                    "loss": float(loss),
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_s": tps,
+                    "step_time_s": dt,
+                    "mfu": (self.hooks.flops_per_token * tps / (peak * dist.get_world_size())) if peak else None,
+                    "skipped": not finite,
+                    **self.acc.memory_stats(),
+                }
+                if cfg.eval_interval and state["step"] % cfg.eval_interval == 0:
+                    record["eval_loss"] = self.evaluate(model)
+                    metrics.write(f"step {state['step']}: eval loss {record['eval_loss']:.4f}")
+                if state["step"] % cfg.log_interval == 0 or state["step"] == cfg.train_iters:
+                    metrics.log(record)
+                metrics.advance()
+                stop = self._agree_stop()
+                if (cfg.save_interval and state["step"] % cfg.save_interval == 0) or stop:
+                    self.save(model, optimizer, state["step"], state, final=False)
+                    last_saved = state["step"]
+                if stop:
+                    metrics.write(f"signal {stop}: saved step {state['step']}, stopping")
+                    raise SystemExit(128 + stop)
+            if last_saved != state["step"]:
+                self.save(model, optimizer, state["step"], state, final=True)
+            elif self.rank0 and self.hooks.on_saved is not None:
+                self.hooks.on_saved(CheckpointDir(self.run_dir).latest(), True)
+        finally:
+            metrics.close()
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+        return state
+
+    def _agree_stop(self) -> int:
+        flag = torch.tensor([self._stop_signal or 0], dtype=torch.int64)
+        if dist.get_world_size() > 1:
+            if self.acc.device_type != "cpu":
+                flag = flag.to(self.acc.device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+def _buckets(tensors, size):
+    bucket, n = [], 0
+    for t in tensors:
+        bucket.append(t)
+        n += t.numel()
+        if n >= size:
+            yield bucket
+            bucket, n = [], 0
+    if bucket:
+        yield bucket
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """`overwrite=true`: keep another run's checkpoints under a new name rather than delete them."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.exists():
+        return None
+    dest = root.with_name(f"checkpoints.old-{int(time.time())}")
+    shutil.move(str(root), str(dest))
+    return dest

@@ -1,0 +1,1 @@
+"""loongforge.diffusion: Diffusion transformers (placeholder: filled by a later issue)."""

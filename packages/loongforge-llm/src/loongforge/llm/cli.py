@@ -1,0 +1,115 @@
+"""`loongforge-llm`: train, preprocess, convert, generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from loongforge.core.errors import UserError, cli_entry
+
+EXAMPLES = """examples:
+  loongforge-llm train tiny                                   # demo: shipped tiny corpus + model, CPU ok
+  loongforge-llm train tiny train.train_iters=20 checkpoint.run_dir=runs/t
+  loongforge-llm train run.yaml train.lr=3e-4 parallel.tensor_model_parallel_size=2
+  torchrun --nproc-per-node 2 -m loongforge.llm.cli train run.yaml parallel.pipeline_model_parallel_size=2
+  loongforge-llm train run.yaml checkpoint.load=/models/Llama-3.2-1B   # start from HF weights
+  loongforge-llm preprocess --input corpus.jsonl --tokenizer /models/Llama-3.2-1B --output-prefix data/corpus
+  loongforge-llm convert hf-to-lf /models/Qwen3-0.6B ckpt/qwen3
+  loongforge-llm convert lf-to-hf runs/t ckpt/t-hf
+  loongforge-llm generate runs/t --prompt "Ada gave the" --max-new-tokens 8
+Errors you can fix print one line and exit 2; add --debug for the traceback."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loongforge-llm", description="LLM training with LoongForge.", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train from a YAML config", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("config", help="YAML file, or the name of a shipped config (tiny)")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=3e-4")
+    pp = sub.add_parser("preprocess", help="tokenize text into megatron .bin/.idx", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pp.add_argument("--input", nargs="+", required=True, help="jsonl/json/parquet/arrow/csv/txt files or directories")
+    pp.add_argument("--tokenizer", required=True, help="HF tokenizer directory, or 'tiny'")
+    pp.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    pp.add_argument("--text-key", default="text")
+    pp.add_argument("--workers", type=int, default=1)
+    c = sub.add_parser("convert", help="HF <-> LoongForge checkpoints", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("direction", choices=["hf-to-lf", "lf-to-hf"])
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="lf-to-hf: dtype of the written weights")
+    g = sub.add_parser("generate", help="greedy generation from an HF dir or checkpoint")
+    g.add_argument("model")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--tokenizer", default=None, help="default: the checkpoint's own tokenizer")
+    return p
+
+
+@cli_entry
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.cmd == "train":
+        from loongforge.core.config import load_config
+        from loongforge.llm import pretrain
+        from loongforge.llm.config import CONFIG_DIR, PretrainConfig, shipped_config
+
+        cfg = load_config(PretrainConfig, shipped_config(args.config), args.overrides, search=[CONFIG_DIR])
+        state = pretrain.run(cfg)
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            print(f"done: step {state['step']}, run dir {cfg.checkpoint.run_dir}")
+        return 0
+    if args.cmd == "preprocess":
+        from loongforge.llm.data import preprocess
+        from loongforge.llm.tokenizer import load_tokenizer
+
+        if args.workers < 1:
+            raise UserError("--workers must be at least 1")
+        info = preprocess(args.input, load_tokenizer(args.tokenizer), args.output_prefix, args.text_key, args.workers)
+        print(json.dumps(info))
+        return 0
+    if args.cmd == "convert":
+        from loongforge.llm import model_io
+
+        if args.direction == "hf-to-lf":
+            out = model_io.hf_to_lf(args.src, args.dst)
+        else:
+            import torch
+
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+            out = model_io.lf_to_hf(args.src, args.dst, dtype)
+        print(f"wrote {out}")
+        return 0
+    if args.cmd == "generate":
+        return generate(args)
+    return 2
+
+
+def generate(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from loongforge.core.checkpoint import find_checkpoint
+    from loongforge.llm.model_io import load_model
+    from loongforge.llm.tokenizer import load_tokenizer
+
+    tok_path = args.tokenizer
+    if tok_path is None:
+        step = find_checkpoint(args.model)
+        cands = [Path(args.model)] if step is None else [step.parent.parent / "tokenizer", Path(args.model) / "tokenizer"]
+        tok_path = next((str(c) for c in cands if (c / "tokenizer_config.json").is_file() or (c / "tokenizer.json").is_file()), None)
+        if tok_path is None:
+            raise UserError(f"no tokenizer found with {args.model}; pass --tokenizer")
+    tok = load_tokenizer(tok_path)
+    model = load_model(args.model)
+    ids = torch.tensor([tok(args.prompt, add_special_tokens=False)["input_ids"]])
+    out = model.generate(ids, args.max_new_tokens, eos_token_id=tok.eos_token_id)
+    print(tok.decode(out[0].tolist()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""HF <-> LoongForge checkpoint conversion and `load_model`, all through core's family tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from loongforge.core.checkpoint import CheckpointDir, find_checkpoint, load_megatron, read_manifest, save_megatron, verify_files
+from loongforge.core.errors import UserError
+from loongforge.core.foundation import hf_io
+from loongforge.core.foundation.model import CausalLM
+from loongforge.core.foundation.spec import ModelConfig
+from loongforge.core.registry import registry
+
+
+def families() -> dict:
+    reg = registry()
+    return {n: reg.get("family", n) for n in reg.names("family")}
+
+
+def _single_process_ctx():
+    """Whole models load on the CPU, in this process's (or a new single-process) group."""
+    from loongforge.core.parallel import init_parallel
+
+    return init_parallel(1, 1, "gloo", "cpu")
+
+
+def model_config_from_manifest(manifest: dict) -> ModelConfig:
+    return ModelConfig(**manifest["config"]["model"])
+
+
+def load_model(path) -> CausalLM:
+    """An HF directory or a LoongForge checkpoint (run dir, checkpoints dir or step dir) as a
+    CPU fp32 `CausalLM` in eval mode: `model(input_ids)` -> logits [batch, seq, vocab]."""
+    ctx = _single_process_ctx()
+    if hf_io.is_hf_dir(path):
+        return CausalLM.from_hf(path, families(), ctx).eval()
+    step = find_checkpoint(path)
+    if step is None:
+        raise UserError(f"{path}: neither an HF model directory nor a LoongForge checkpoint")
+    m = verify_files(step)
+    cfg = model_config_from_manifest(m)
+    model = CausalLM.build(registry().get("family", cfg.family), cfg, ctx)
+    load_megatron(step, model.gpt)
+    return model.eval()
+
+
+def write_checkpoint(model: CausalLM, out_dir, extra_config: dict | None = None) -> Path:
+    """Save a whole model as a step-0 LoongForge checkpoint under `out_dir`."""
+    ckdir = CheckpointDir(out_dir)
+    if ckdir.root.exists() and any(ckdir.root.iterdir()):
+        raise UserError(f"{out_dir} already holds checkpoints; choose a new output directory")
+    tmp = ckdir.begin(0)
+    save_megatron(tmp, model.gpt)
+    manifest = {
+        "run_identity": None,
+        "config": {"model": dataclasses.asdict(model.cfg), **(extra_config or {})},
+        "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1},
+        "trainer": {"step": 0, "optimizer_steps": 0, "consumed_samples": 0, "bad_steps": 0},
+        "rng": {},
+    }
+    return ckdir.commit(tmp, 0, manifest)
+
+
+def copy_tokenizer(src, dst) -> None:
+    src, dst = Path(src), Path(dst)
+    for f in src.iterdir():
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")):
+            shutil.copy2(f, dst / f.name)
+
+
+def hf_to_lf(hf_dir, out_dir) -> Path:
+    model = CausalLM.from_hf(hf_dir, families(), _single_process_ctx())
+    tok = Path(hf_dir) if (Path(hf_dir) / "tokenizer.json").is_file() or (Path(hf_dir) / "tokenizer_config.json").is_file() else None
+    step = write_checkpoint(model, out_dir)
+    if tok is not None:
+        (Path(out_dir) / "tokenizer").mkdir(exist_ok=True)
+        copy_tokenizer(tok, Path(out_dir) / "tokenizer")
+    return step
+
+
+def _tokenizer_dir_of(step: Path, manifest: dict) -> Path | None:
+    for cand in (step.parent.parent / "tokenizer",):
+        if cand.is_dir():
+            return cand
+    tok = manifest.get("config", {}).get("data", {}).get("tokenizer")
+    if tok:
+        from loongforge.llm.tokenizer import resolve_tokenizer_path
+
+        try:
+            return resolve_tokenizer_path(tok)
+        except UserError:
+            return None
+    return None
+
+
+def lf_to_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32) -> Path:
+    step = find_checkpoint(ckpt)
+    if step is None:
+        raise UserError(f"{ckpt}: not a LoongForge checkpoint (no manifest.json or latest)")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out}: output directory exists and is not empty; choose a new one")
+    model = load_model(step)
+    manifest = read_manifest(step)
+    tok_dir = _tokenizer_dir_of(step, manifest)
+    extra = {}
+    if tok_dir is not None:
+        from loongforge.llm.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(str(tok_dir))
+        extra = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id, "pad_token_id": tok.pad_token_id}
+    model.save_hf(out, dtype=dtype, extra_config=extra)
+    if tok_dir is not None:
+        copy_tokenizer(tok_dir, out)
+    return out
+
+
+def run_converter_subprocess(direction: str, src, dst) -> None:
+    """Run a conversion in a fresh single process (a TP/PP>1 process cannot hold a whole model)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+    env["LOONGFORGE_DEVICE"] = "cpu"
+    r = subprocess.run([sys.executable, "-m", "loongforge.llm.cli", "convert", direction, str(src), str(dst)], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise UserError(f"conversion {direction} {src} -> {dst} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")

@@ -1,0 +1,199 @@
+"""The pretraining recipe: fills core's trainer hooks with a megatron-core GPT model stage,
+megatron GPT datasets and HF import/export."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loongforge.core.accelerator import get_accelerator
+from loongforge.core.checkpoint import find_checkpoint, load_megatron, read_manifest, verify_files
+from loongforge.core.errors import UserError
+from loongforge.core.foundation import hf_io
+from loongforge.core.foundation.hf_mapping import hf_to_lf as map_hf_to_lf
+from loongforge.core.foundation.model import load_lf_state
+from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
+from loongforge.core.ops import OpTable
+from loongforge.core.parallel import init_parallel
+from loongforge.core.registry import registry
+from loongforge.core.train.trainer import Trainer, TrainHooks, fingerprint, move_aside, prepare_run_dir
+from loongforge.llm import data as text_data
+from loongforge.llm.model_io import copy_tokenizer, lf_to_hf, model_config_from_manifest, run_converter_subprocess
+from loongforge.llm.tokenizer import load_tokenizer, resolve_tokenizer_path
+
+
+def flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    """Training FLOPs per token: 6 * (non-embedding params + output layer) + attention 12*L*h*s
+    (h = heads*head_dim), the convention of the project's baselines."""
+    n = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
+    return 6 * n + 12 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels * seq
+
+
+def resolve_model_config(cfg) -> tuple[ModelConfig, str | None]:
+    """The model config, and where its starting weights come from ('hf', 'lf' or None)."""
+    load = cfg.checkpoint.load
+    if load:
+        if hf_io.is_hf_dir(load):
+            fam, mcfg = hf_io.read_hf_config(load, {n: registry().get("family", n) for n in registry().names("family")})
+            return fam.resolve(mcfg), "hf"
+        step = find_checkpoint(load)
+        if step is None:
+            raise UserError(f"checkpoint.load={load}: neither an HF model directory nor a LoongForge checkpoint")
+        return model_config_from_manifest(read_manifest(step)), "lf"
+    fam = registry().get("family", cfg.model.family)
+    return fam.resolve(cfg.model), None
+
+
+def validate(cfg, mcfg: ModelConfig, tok, world: int) -> None:
+    t, par = cfg.train, cfg.parallel
+    mp = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    dp = world // mp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise UserError(
+            f"train.global_batch_size={t.global_batch_size} must be a multiple of micro_batch_size*data_parallel_size={t.micro_batch_size * dp}"
+        )
+    if mcfg.vocab_size % par.tensor_model_parallel_size:
+        raise UserError(f"model.vocab_size={mcfg.vocab_size} must be divisible by tensor_model_parallel_size={par.tensor_model_parallel_size}")
+    if len(tok) > mcfg.vocab_size:
+        raise UserError(f"tokenizer has {len(tok)} tokens but model.vocab_size is {mcfg.vocab_size}; raise model.vocab_size or use a matching tokenizer")
+    if cfg.data.seq_length > mcfg.max_position_embeddings:
+        raise UserError(f"data.seq_length={cfg.data.seq_length} exceeds model.max_position_embeddings={mcfg.max_position_embeddings}")
+
+
+def run_identity(cfg, mcfg: ModelConfig) -> str:
+    t = dataclasses.asdict(cfg.train)
+    for k in ("train_iters", "log_interval", "eval_interval", "eval_iters", "save_interval", "max_bad_steps", "recompute"):
+        t.pop(k)
+    return fingerprint({"model": dataclasses.asdict(mcfg), "data": dataclasses.asdict(cfg.data), "train": t, "load": cfg.checkpoint.load})
+
+
+def ensure_data(cfg, tok, run_dir: Path, rank0: bool) -> list:
+    """`data.data_path` as given, or the raw `data.corpus` preprocessed once into run_dir/data."""
+    if cfg.data.data_path:
+        return cfg.data.data_path
+    if not cfg.data.corpus:
+        raise UserError("set data.data_path (preprocessed prefixes) or data.corpus (raw text files)")
+    prefix = run_dir / "data" / "corpus_text_document"
+    if rank0 and not Path(f"{prefix}.idx").is_file():
+        text_data.preprocess([str(resolve_corpus(c)) for c in cfg.data.corpus], tok, str(prefix))
+    if dist.is_initialized():
+        dist.barrier()
+    return [str(prefix)]
+
+
+def resolve_corpus(item: str) -> Path:
+    if item == "tiny":
+        return Path(__file__).parent / "assets" / "tiny_corpus.jsonl"
+    return Path(item)
+
+
+def run(cfg) -> dict:
+    acc = get_accelerator()
+    par = cfg.parallel
+    ctx = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, acc.backend, acc.device_type)
+    rank0 = dist.get_rank() == 0
+    tok = load_tokenizer(cfg.data.tokenizer)
+    mcfg, source = resolve_model_config(cfg)
+    validate(cfg, mcfg, tok, dist.get_world_size())
+    ops = OpTable.build(cfg.ops, registry())
+    run_dir = Path(cfg.checkpoint.run_dir)
+    identity = run_identity(cfg, mcfg)
+    resume_from = prepare_run_dir(cfg.checkpoint, identity)
+    if resume_from is None and cfg.checkpoint.overwrite and rank0:
+        moved = move_aside(run_dir)
+        if moved:
+            print(f"moved the previous checkpoints to {moved}", flush=True)
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not (run_dir / "tokenizer").exists():
+            (run_dir / "tokenizer").mkdir()
+            copy_tokenizer(resolve_tokenizer_path(cfg.data.tokenizer), run_dir / "tokenizer")
+    dist.barrier()
+
+    data_cfg = dataclasses.replace(cfg.data, data_path=ensure_data(cfg, tok, run_dir, rank0))
+    t = cfg.train
+    n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
+    train_ds, valid_ds, _ = text_data.build_gpt_datasets(
+        data_cfg, tok, t.seed, [t.train_iters * t.global_batch_size, max(1, n_evals * t.eval_iters * t.global_batch_size), 0],
+        run_dir / "data" / "cache", rank0,
+    )
+    device = acc.device()
+    recompute = t.recompute
+
+    def build():
+        model = build_gpt_model(mcfg, ctx, ops, recompute=recompute)
+        return model.to(device)
+
+    def initial_weights(model):
+        if source is None:
+            return
+        src = cfg.checkpoint.load
+        if source == "hf" and ctx.tp_size * ctx.pp_size == 1:
+            load_lf_state(model, map_hf_to_lf(registry().get("family", mcfg.family).mapping, hf_io.load_hf_state(src), mcfg))
+            return
+        if source == "hf":
+            # Convert once on rank 0 into a TP=1 checkpoint; dist_checkpointing reshards it.
+            tmp = run_dir / "hf_import"
+            if rank0 and find_checkpoint(tmp) is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                run_converter_subprocess("hf-to-lf", src, tmp)
+            dist.barrier()
+            src = tmp
+        step = find_checkpoint(src)
+        if rank0:
+            verify_files(step)
+        load_megatron(step, model)
+
+    def loss_fn(per_token, mb):
+        mask = mb["loss_mask"].float()
+        return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+
+    def on_saved(step_dir: Path, final: bool):
+        if final and cfg.checkpoint.export_hf:
+            export_hf(step_dir, run_dir / "hf", in_process=dist.get_world_size() == 1)
+
+    dp_rank, dp_size = ctx.dp_rank, ctx.dp_size
+
+    def batches(start):
+        return text_data.step_batches(train_ds, start, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, device)
+
+    def eval_batches():
+        if valid_ds is None:
+            return []
+        it = text_data.step_batches(valid_ds, 0, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, device)
+        return [next(it) for _ in range(t.eval_iters)]
+
+    hooks = TrainHooks(
+        build=build,
+        batches=batches,
+        loss_fn=loss_fn,
+        act_shape=(cfg.data.seq_length, t.micro_batch_size, mcfg.hidden_size),
+        tokens_per_step=t.global_batch_size * cfg.data.seq_length,
+        flops_per_token=flops_per_token(mcfg, cfg.data.seq_length),
+        eval_batches=eval_batches if t.eval_interval else None,
+        initial_weights=initial_weights,
+        on_saved=on_saved,
+    )
+    run_config = dataclasses.asdict(cfg)
+    run_config["model"] = dataclasses.asdict(mcfg)
+    trainer = Trainer(t, cfg.checkpoint, ctx, acc, hooks, run_config, identity)
+    return trainer.run(resume_from)
+
+
+def export_hf(step_dir: Path, out: Path, in_process: bool) -> None:
+    """Write `out` (an HF directory) from a checkpoint; a previous export there is replaced only
+    once the new one is complete."""
+    new = out.with_name(out.name + ".new")
+    shutil.rmtree(new, ignore_errors=True)
+    if in_process:
+        lf_to_hf(step_dir, new)
+    else:
+        run_converter_subprocess("lf-to-hf", step_dir, new)
+    if out.exists():
+        shutil.rmtree(out)
+    new.rename(out)
+    print(f"exported HF model to {out}", flush=True)

@@ -1,0 +1,1 @@
+"""loongforge.vlm: Vision-language models (placeholder: filled by a later issue)."""

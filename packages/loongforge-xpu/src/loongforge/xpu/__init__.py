@@ -1,0 +1,1 @@
+"""loongforge.xpu: Kunlun XPU accelerator plugin (placeholder: filled by a later issue)."""

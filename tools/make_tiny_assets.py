@@ -1,0 +1,60 @@
+"""Regenerate the tiny corpus and tokenizer shipped in loongforge-llm (for the demo and tests).
+
+The corpus is synthetic, deterministic English-like text with learnable structure (templated
+facts, counting, simple arithmetic); the tokenizer is a byte-level BPE trained on it.
+
+    python tools/make_tiny_assets.py
+"""
+
+import json
+import random
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parents[1] / "packages/loongforge-llm/src/loongforge/llm/assets"
+
+NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]
+THINGS = ["apple", "book", "lamp", "river", "stone", "garden", "train", "letter", "violin", "kite"]
+COLORS = ["red", "blue", "green", "yellow", "white", "black", "orange", "purple"]
+PLACES = ["the market", "the library", "the hill", "the station", "the harbor", "the school"]
+VERBS = ["found", "painted", "carried", "lost", "repaired", "sold", "opened", "watched"]
+NUMS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def document(rng: random.Random) -> str:
+    kind = rng.randrange(4)
+    if kind == 0:
+        n, t, c, p, v = rng.choice(NAMES), rng.choice(THINGS), rng.choice(COLORS), rng.choice(PLACES), rng.choice(VERBS)
+        return f"{n} {v} a {c} {t} at {p}. The {t} was {c}. Later {n} went home from {p} with the {c} {t}."
+    if kind == 1:
+        start = rng.randrange(0, 6)
+        return "Counting: " + ", ".join(NUMS[start : start + 5]) + "."
+    if kind == 2:
+        a, b = rng.randrange(0, 6), rng.randrange(0, 5)
+        return f"{NUMS[a]} plus {NUMS[b]} is {NUMS[a + b]}. {NUMS[a + b]} minus {NUMS[b]} is {NUMS[a]}."
+    n1, n2 = rng.sample(NAMES, 2)
+    t = rng.choice(THINGS)
+    return f"{n1} gave the {t} to {n2}. Now {n2} has the {t} and {n1} has no {t}."
+
+
+def main() -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    docs = [document(rng) for _ in range(4000)]
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    with open(ASSETS / "tiny_corpus.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(str(ASSETS / "tiny_tokenizer"))
+    print(f"wrote {len(docs)} documents and a {tok.get_vocab_size()}-token tokenizer to {ASSETS}")
+
+
+if __name__ == "__main__":
+    main()
