@@ -95,8 +95,9 @@ def parse_blend(data_path: list) -> tuple[list[str], list[float] | None]:
     return prefixes, weights
 
 
-def build_gpt_datasets(data_cfg, tokenizer, seed: int, num_samples: list[int], cache_dir: Path, is_rank0_builder: bool):
-    """Train/valid/test megatron GPT datasets over the configured blend and split."""
+def build_gpt_datasets(data_cfg, tokenizer, seed: int, num_samples: list[int], cache_dir: Path):
+    """Train/valid/test megatron GPT datasets over the configured blend and split. Every rank
+    holds them (megatron's builder writes the index cache on rank 0 first, the others read it)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -116,7 +117,7 @@ def build_gpt_datasets(data_cfg, tokenizer, seed: int, num_samples: list[int], c
         create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
-    return BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: is_rank0_builder, config).build()
+    return BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, config).build()
 
 
 def step_batches(dataset, start_step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, device) -> Iterator[list[dict]]:

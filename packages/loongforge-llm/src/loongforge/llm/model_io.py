@@ -25,10 +25,12 @@ def families() -> dict:
 
 
 def _single_process_ctx():
-    """Whole models load on the CPU, in this process's (or a new single-process) group."""
+    """Whole models are built on the CPU, in this process's (or a new single-process) group."""
+    from loongforge.core.accelerator import get_accelerator
     from loongforge.core.parallel import init_parallel
 
-    return init_parallel(1, 1, "gloo", "cpu")
+    acc = get_accelerator()
+    return init_parallel(1, 1, acc.backend, acc.device_type)
 
 
 def model_config_from_manifest(manifest: dict) -> ModelConfig:
@@ -124,7 +126,8 @@ def lf_to_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32) -> Path:
 
 def run_converter_subprocess(direction: str, src, dst) -> None:
     """Run a conversion in a fresh single process (a TP/PP>1 process cannot hold a whole model)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
     env["LOONGFORGE_DEVICE"] = "cpu"
     r = subprocess.run([sys.executable, "-m", "loongforge.llm.cli", "convert", direction, str(src), str(dst)], env=env, capture_output=True, text=True)
     if r.returncode != 0:

@@ -119,7 +119,7 @@ def run(cfg) -> dict:
     n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     train_ds, valid_ds, _ = text_data.build_gpt_datasets(
         data_cfg, tok, t.seed, [t.train_iters * t.global_batch_size, max(1, n_evals * t.eval_iters * t.global_batch_size), 0],
-        run_dir / "data" / "cache", rank0,
+        run_dir / "data" / "cache",
     )
     device = acc.device()
     recompute = t.recompute

@@ -181,11 +181,13 @@ class Trainer:
         model.train()
         if not losses:
             return None
-        loss = torch.stack(losses).mean()
+        return float(self._dp_mean(torch.stack(losses).mean()))
+
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.ctx.dp_size > 1:
-            dist.all_reduce(loss, group=self.ctx.dp_group)
-            loss /= self.ctx.dp_size
-        return float(loss)
+            dist.all_reduce(value, group=self.ctx.dp_group)
+            value /= self.ctx.dp_size
+        return value
 
     def _fb(self, model, mbs, forward_only=False):
         return forward_backward(
@@ -226,7 +228,7 @@ class Trainer:
                 mbs = next(batches)
                 for p in model.parameters():
                     p.grad = None
-                loss = self._fb(model, mbs)
+                loss = self._dp_mean(self._fb(model, mbs))
                 self._finalize_grads(model)
                 grad_norm = self._grad_norm(model)
                 lr = lr_at(state["optimizer_steps"], cfg)
