@@ -1,0 +1,110 @@
+"""Op-table references against HF transformers' own implementations and plain math."""
+
+import math
+
+import pytest
+import torch
+
+from loongforge.core.errors import UserError
+from loongforge.core.ops import OpTable, reference as ref
+
+
+def test_rms_norm_matches_hf_llama():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    hf = LlamaRMSNorm(48, eps=1e-6)
+    hf.weight.data.normal_()
+    x = torch.randn(3, 5, 48)
+    torch.testing.assert_close(ref.rms_norm(x, hf.weight, 1e-6), hf(x), rtol=0, atol=0)
+    xb = x.bfloat16()
+    torch.testing.assert_close(ref.rms_norm(xb, hf.weight.bfloat16(), 1e-6), hf.bfloat16()(xb))
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_inv_freq_matches_hf(scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=500000.0, rope_scaling=scaling, max_position_embeddings=1024)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        hf_inv, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(cfg)
+    else:
+        hf_inv, _ = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+    torch.testing.assert_close(ref.rope_inv_freq(64, 500000.0, scaling), hf_inv.float(), rtol=1e-6, atol=0)
+
+
+def test_rope_matches_hf_apply_rotary():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    b, s, h, d = 2, 7, 3, 16
+    q, k = torch.randn(b, s, h, d), torch.randn(b, s, h, d)
+    inv = ref.rope_inv_freq(d, 10000.0)
+    pos = torch.arange(s)
+    emb = torch.cat([pos[:, None].float() * inv] * 2, -1)[None]  # HF's cos/sin layout [1, s, d]
+    hq, hk = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), emb.cos(), emb.sin())
+    torch.testing.assert_close(ref.rope(q, pos, inv), hq.transpose(1, 2), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ref.rope(k, pos, inv), hk.transpose(1, 2), rtol=1e-6, atol=1e-6)
+
+
+def test_rope_partial_rotary_passes_the_rest_through():
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, 2, 16)
+    inv = ref.rope_inv_freq(8, 10000.0)  # rotary on the first 8 of 16 channels
+    out = ref.rope(x, torch.arange(5), inv)
+    torch.testing.assert_close(out[..., 8:], x[..., 8:], rtol=0, atol=0)
+    torch.testing.assert_close(out[..., :8], ref.rope(x[..., :8].contiguous(), torch.arange(5), inv))
+    # position 0 is the identity rotation
+    torch.testing.assert_close(out[:, 0], x[:, 0])
+
+
+def test_rope_packed_position_ids():
+    torch.manual_seed(0)
+    x = torch.randn(1, 6, 1, 8)
+    inv = ref.rope_inv_freq(8, 10000.0)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    out = ref.rope(x, pos, inv)
+    torch.testing.assert_close(out[:, 3:], ref.rope(x[:, 3:], torch.arange(3), inv))
+
+
+def test_swiglu():
+    x = torch.randn(4, 10)
+    g, u = x[:, :5], x[:, 5:]
+    torch.testing.assert_close(ref.swiglu(x), g * torch.sigmoid(g) * u)
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2), (4, 1)])
+def test_attention_causal_gqa_against_explicit_softmax(hq, hk):
+    torch.manual_seed(0)
+    b, s, d = 2, 9, 8
+    q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
+    kk, vv = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+    scores = q @ kk.transpose(-1, -2) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    want = scores.softmax(-1) @ vv
+    torch.testing.assert_close(ref.attention(q, k, v, causal=True), want, rtol=1e-5, atol=1e-6)
+
+
+def test_cross_entropy_ignore_index():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 11)
+    labels = torch.tensor([[1, -100, 3], [4, 5, -100]])
+    loss = ref.cross_entropy(logits, labels)
+    assert loss[0, 1] == 0 and loss[1, 2] == 0
+    want = torch.nn.functional.cross_entropy(logits[0, 0:1], labels[0, 0:1])
+    torch.testing.assert_close(loss[0, 0], want)
+
+
+def test_op_table_selection_errors():
+    assert OpTable.build({"rms_norm": "reference"}).rms_norm is ref.rms_norm
+    from loongforge.core.registry import registry
+
+    with pytest.raises(UserError, match="no such implementation"):
+        OpTable.build({"rms_norm": "triton"}, registry())
+    with pytest.raises(UserError, match="unknown op"):
+        OpTable.build({"rmsnorm": "reference"}, registry())
