@@ -108,3 +108,28 @@ def test_op_table_selection_errors():
         OpTable.build({"rms_norm": "triton"}, registry())
     with pytest.raises(UserError, match="unknown op"):
         OpTable.build({"rmsnorm": "reference"}, registry())
+
+
+def test_model_computes_through_the_op_table():
+    """Every op the model uses comes from the table it was built with (no hidden fallback)."""
+    from collections import Counter
+
+    from loongforge.core.foundation.families import QWEN3
+    from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
+    from loongforge.core.parallel import init_parallel
+
+    calls = Counter()
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    impls = {n: counted(n, f) for n, f in OpTable().impls.items()}
+    ctx = init_parallel(1, 1, "gloo", "cpu")
+    model = build_gpt_model(QWEN3.resolve(ModelConfig(num_layers=2)), ctx, OpTable(impls))
+    model(torch.randint(0, 256, (1, 8)), None, None)
+    # per layer: 2 norms + q/k norms, 2 rope calls, 1 attention, 1 swiglu; plus the final norm
+    assert calls == Counter({"rms_norm": 2 * 4 + 1, "rope": 4, "attention": 2, "swiglu": 2})

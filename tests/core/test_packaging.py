@@ -6,7 +6,6 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = sorted((ROOT / "packages").iterdir())

@@ -2,7 +2,6 @@
 the NaN guard and activation recompute."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -27,8 +26,10 @@ def test_preprocess_jsonl_and_parquet_roundtrip(tmp_path):
     docs = ["Ada found a red kite.", "one plus two is three.", "Ben sold the lamp at the market."]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     datasets.Dataset.from_dict({"text": docs}).to_parquet(str(tmp_path / "b.parquet"))
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "saved"))
+    (arrow,) = (tmp_path / "saved").glob("*.arrow")
     tok = load_tokenizer("tiny")
-    for src, prefix in (("a.jsonl", "ja"), ("b.parquet", "pq")):
+    for src, prefix in (("a.jsonl", "ja"), ("b.parquet", "pq"), (arrow, "ar")):
         r = run_cli(["preprocess", "--input", str(tmp_path / src), "--tokenizer", "tiny", "--output-prefix", str(tmp_path / prefix), "--workers", "2"])
         assert r.returncode == 0, r.stderr[-3000:]
         info = json.loads(r.stdout.strip().splitlines()[-1])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import logging
 import sys
+import warnings
 from typing import Callable
 
 
@@ -20,6 +22,11 @@ def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], 
         debug = "--debug" in argv
         if debug:
             argv.remove("--debug")
+        else:
+            # megatron-core warns at import about optional extras (apex, TE) that LoongForge
+            # never uses; keep a user's terminal to our own messages.
+            warnings.filterwarnings("ignore", module=r"megatron\.")
+            logging.getLogger("megatron").setLevel(logging.ERROR)
         try:
             return main(argv) or 0
         except UserError as e:
@@ -27,5 +34,10 @@ def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], 
                 raise
             print(f"error: {e}", file=sys.stderr)
             return 2
+        finally:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
 
     return wrapper

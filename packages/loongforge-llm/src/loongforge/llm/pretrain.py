@@ -7,7 +7,6 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from loongforge.core.accelerator import get_accelerator
@@ -18,19 +17,12 @@ from loongforge.core.foundation.hf_mapping import hf_to_lf as map_hf_to_lf
 from loongforge.core.foundation.model import load_lf_state
 from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
 from loongforge.core.ops import OpTable
-from loongforge.core.parallel import init_parallel
+from loongforge.core.parallel import init_parallel, on_rank0
 from loongforge.core.registry import registry
 from loongforge.core.train.trainer import Trainer, TrainHooks, fingerprint, move_aside, prepare_run_dir
 from loongforge.llm import data as text_data
 from loongforge.llm.model_io import copy_tokenizer, lf_to_hf, model_config_from_manifest, run_converter_subprocess
 from loongforge.llm.tokenizer import load_tokenizer, resolve_tokenizer_path
-
-
-def flops_per_token(cfg: ModelConfig, seq: int) -> float:
-    """Training FLOPs per token: 6 * (non-embedding params + output layer) + attention 12*L*h*s
-    (h = heads*head_dim), the convention of the project's baselines."""
-    n = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
-    return 6 * n + 12 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels * seq
 
 
 def resolve_model_config(cfg) -> tuple[ModelConfig, str | None]:
@@ -71,17 +63,15 @@ def run_identity(cfg, mcfg: ModelConfig) -> str:
     return fingerprint({"model": dataclasses.asdict(mcfg), "data": dataclasses.asdict(cfg.data), "train": t, "load": cfg.checkpoint.load})
 
 
-def ensure_data(cfg, tok, run_dir: Path, rank0: bool) -> list:
+def ensure_data(cfg, tok, run_dir: Path) -> list:
     """`data.data_path` as given, or the raw `data.corpus` preprocessed once into run_dir/data."""
     if cfg.data.data_path:
         return cfg.data.data_path
     if not cfg.data.corpus:
         raise UserError("set data.data_path (preprocessed prefixes) or data.corpus (raw text files)")
     prefix = run_dir / "data" / "corpus_text_document"
-    if rank0 and not Path(f"{prefix}.idx").is_file():
-        text_data.preprocess([str(resolve_corpus(c)) for c in cfg.data.corpus], tok, str(prefix))
-    if dist.is_initialized():
-        dist.barrier()
+    if not Path(f"{prefix}.idx").is_file():
+        on_rank0(lambda: text_data.preprocess([str(resolve_corpus(c)) for c in cfg.data.corpus], tok, str(prefix)))
     return [str(prefix)]
 
 
@@ -95,7 +85,6 @@ def run(cfg) -> dict:
     acc = get_accelerator()
     par = cfg.parallel
     ctx = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, acc.backend, acc.device_type)
-    rank0 = dist.get_rank() == 0
     tok = load_tokenizer(cfg.data.tokenizer)
     mcfg, source = resolve_model_config(cfg)
     validate(cfg, mcfg, tok, dist.get_world_size())
@@ -103,18 +92,20 @@ def run(cfg) -> dict:
     run_dir = Path(cfg.checkpoint.run_dir)
     identity = run_identity(cfg, mcfg)
     resume_from = prepare_run_dir(cfg.checkpoint, identity)
-    if resume_from is None and cfg.checkpoint.overwrite and rank0:
-        moved = move_aside(run_dir)
-        if moved:
-            print(f"moved the previous checkpoints to {moved}", flush=True)
-    if rank0:
+
+    def prepare():
+        if resume_from is None and cfg.checkpoint.overwrite:
+            moved = move_aside(run_dir)
+            if moved:
+                print(f"moved the previous checkpoints to {moved}", flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         if not (run_dir / "tokenizer").exists():
             (run_dir / "tokenizer").mkdir()
             copy_tokenizer(resolve_tokenizer_path(cfg.data.tokenizer), run_dir / "tokenizer")
-    dist.barrier()
 
-    data_cfg = dataclasses.replace(cfg.data, data_path=ensure_data(cfg, tok, run_dir, rank0))
+    on_rank0(prepare)
+
+    data_cfg = dataclasses.replace(cfg.data, data_path=ensure_data(cfg, tok, run_dir))
     t = cfg.train
     n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     train_ds, valid_ds, _ = text_data.build_gpt_datasets(
@@ -138,14 +129,16 @@ def run(cfg) -> dict:
         if source == "hf":
             # Convert once on rank 0 into a TP=1 checkpoint; dist_checkpointing reshards it.
             tmp = run_dir / "hf_import"
-            if rank0 and find_checkpoint(tmp) is None:
-                shutil.rmtree(tmp, ignore_errors=True)
-                run_converter_subprocess("hf-to-lf", src, tmp)
-            dist.barrier()
+
+            def convert():
+                if find_checkpoint(tmp) is None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    run_converter_subprocess("hf-to-lf", src, tmp)
+
+            on_rank0(convert)
             src = tmp
         step = find_checkpoint(src)
-        if rank0:
-            verify_files(step)
+        on_rank0(lambda: verify_files(step))
         load_megatron(step, model)
 
     def loss_fn(per_token, mb):
@@ -173,7 +166,7 @@ def run(cfg) -> dict:
         loss_fn=loss_fn,
         act_shape=(cfg.data.seq_length, t.micro_batch_size, mcfg.hidden_size),
         tokens_per_step=t.global_batch_size * cfg.data.seq_length,
-        flops_per_token=flops_per_token(mcfg, cfg.data.seq_length),
+        flops_per_token=mcfg.flops_per_token(cfg.data.seq_length),
         eval_batches=eval_batches if t.eval_interval else None,
         initial_weights=initial_weights,
         on_saved=on_saved,

@@ -6,6 +6,7 @@ spec's `params`, so each model holds the implementations it was built with.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -67,3 +68,27 @@ class RotarySDPAttention(nn.Module):
         out = self.ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, scale=self.softmax_scale)
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+@functools.cache
+def swiglu_mlp_class():
+    """megatron-core's MLP (its parallel linears and its TP-aware sharded checkpoint layout of the
+    fused gate/up weight) with the activation computed by the op table's `swiglu`.
+
+    A factory, so that importing this module does not import megatron-core.
+    """
+    from megatron.core.transformer.mlp import MLP
+
+    class SwiGLUMLP(MLP):
+        def __init__(self, config, submodules, ops: OpTable | None = None, **kwargs):
+            super().__init__(config, submodules, **kwargs)
+            self.ops = ops or OpTable()
+
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            if per_token_scale is not None:
+                raise NotImplementedError("per-token scaling is a MoE feature; dense MLPs do not take it")
+            gate_up, _ = self.linear_fc1(hidden_states)
+            out, bias = self.linear_fc2(self.ops.swiglu(gate_up))
+            return out, bias
+
+    return SwiGLUMLP

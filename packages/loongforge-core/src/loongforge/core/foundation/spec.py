@@ -50,6 +50,12 @@ class ModelConfig:
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
+    def flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token, forward + backward, no recompute: 6 * params (all of them,
+        embeddings included) + causal-agnostic attention 12 * layers * (heads * head_dim) * seq.
+        The convention of the project's H200 baselines (shared/notes/h200-baselines.md)."""
+        return 6.0 * self.num_params() + 12.0 * self.num_layers * self.num_attention_heads * self.kv_channels * seq
+
 
 @dataclass(frozen=True)
 class FamilySpec:
@@ -109,24 +115,27 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.d
     return TransformerConfig(**kw)
 
 
-def layer_spec(cfg: ModelConfig, ops: OpTable):
-    """megatron-core layer spec: megatron's parallel linears and MLP, our norm and attention."""
+def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int):
+    """megatron-core block spec for one pipeline stage of `num_layers` layers: megatron's parallel
+    linears, attention block and MLP block; every norm (the final one too), the rotary attention
+    core and the SwiGLU activation compute through the op table."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-    from loongforge.core.foundation.layers import RMSNorm, RotarySDPAttention
+    from loongforge.core.foundation.layers import RMSNorm, RotarySDPAttention, swiglu_mlp_class
 
     rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
     inv_freq = rope_inv_freq(rotary_dim, cfg.rope_theta, cfg.rope_scaling)
     norm = ModuleSpec(module=RMSNorm, params={"ops": ops})
     qk_norm = norm if cfg.qk_norm else IdentityOp
-    return ModuleSpec(
+    layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
@@ -143,10 +152,15 @@ def layer_spec(cfg: ModelConfig, ops: OpTable):
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp=ModuleSpec(
+                module=swiglu_mlp_class(),
+                params={"ops": ops},
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
             mlp_bda=get_bias_dropout_add,
         ),
     )
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm))
 
 
 def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dtype=torch.float32, recompute: bool = False):
@@ -162,7 +176,7 @@ def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dt
     ops = ops or OpTable()
     model = GPTModel(
         config=transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute),
-        transformer_layer_spec=layer_spec(cfg, ops),
+        transformer_layer_spec=block_spec(cfg, ops, cfg.num_layers // ctx.pp_size),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=ctx.is_first_stage,

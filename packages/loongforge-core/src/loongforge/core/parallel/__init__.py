@@ -1,5 +1,5 @@
 """Process groups per model component (tensor, pipeline, data parallel)."""
 
-from loongforge.core.parallel.context import ParallelContext, init_parallel, free_port
+from loongforge.core.parallel.context import ParallelContext, free_port, init_parallel, on_rank0
 
-__all__ = ["ParallelContext", "init_parallel", "free_port"]
+__all__ = ["ParallelContext", "free_port", "init_parallel", "on_rank0"]

@@ -11,6 +11,7 @@ import os
 import socket
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -109,3 +110,18 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str) -> ParallelC
         mp_group=ps.get_model_parallel_group(),
         embedding_group=ps.get_embedding_group() if pp > 1 else None,
     )
+
+
+def on_rank0(fn: Callable[[], None]) -> None:
+    """Run `fn` on global rank 0 only; every rank then raises rank 0's UserError, if it raised
+    one, so no rank is left waiting in a collective for a rank that failed."""
+    error = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            fn()
+        except UserError as e:
+            error[0] = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise UserError(error[0])

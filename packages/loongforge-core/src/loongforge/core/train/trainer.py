@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import math
 import shutil
 import signal
 import time
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from loongforge.core.checkpoint import CheckpointDir, load_megatron, read_manifest, save_megatron, verify_files
 from loongforge.core.errors import UserError
+from loongforge.core.parallel import on_rank0
 from loongforge.core.train.lr import lr_at
 from loongforge.core.train.metrics import Metrics
 from loongforge.core.train.pipeline import forward_backward
@@ -136,7 +136,8 @@ class Trainer:
         save_megatron(tmp, model, optimizer)
         dist.barrier()
         path = ckdir.root / ckdir.step_name(step)
-        if self.rank0:
+
+        def commit():
             manifest = {
                 "run_identity": self.identity,
                 "config": self.run_config,
@@ -145,23 +146,15 @@ class Trainer:
                 "rng": {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in self.acc.rng_state().items()},
                 "torch_version": torch.__version__,
             }
-            path = ckdir.commit(tmp, step, manifest, self.ckpt_cfg.keep_last)
+            final_dir = ckdir.commit(tmp, step, manifest, self.ckpt_cfg.keep_last)
             if self.hooks.on_saved is not None:
-                self.hooks.on_saved(path, final)
-        dist.barrier()
+                self.hooks.on_saved(final_dir, final)
+
+        on_rank0(commit)
         return path
 
     def load(self, model, optimizer, step_dir: Path) -> dict:
-        err = [None]
-        if self.rank0:
-            try:
-                verify_files(step_dir)
-            except UserError as e:
-                err[0] = str(e)
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(err, src=0)
-        if err[0]:
-            raise UserError(err[0])
+        on_rank0(lambda: verify_files(step_dir))
         m = read_manifest(step_dir)
         state = m["trainer"]
         load_megatron(step_dir, model, optimizer, optimizer_steps=state["optimizer_steps"])
@@ -283,8 +276,9 @@ class Trainer:
                     raise SystemExit(128 + stop)
             if last_saved != state["step"]:
                 self.save(model, optimizer, state["step"], state, final=True)
-            elif self.rank0 and self.hooks.on_saved is not None:
-                self.hooks.on_saved(CheckpointDir(self.run_dir).latest(), True)
+            elif self.hooks.on_saved is not None:
+                on_saved = self.hooks.on_saved
+                on_rank0(lambda: on_saved(CheckpointDir(self.run_dir).latest(), True))
         finally:
             metrics.close()
             for s, h in old_handlers.items():

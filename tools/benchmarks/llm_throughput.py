@@ -1,0 +1,159 @@
+"""LLM training throughput on one GPU: LoongForge's megatron-core model against HF transformers
+(eager and torch.compile), same config, same tokens, same process.
+
+    python tools/benchmarks/llm_throughput.py                 # the 1.3B Llama-style config
+    python tools/benchmarks/llm_throughput.py --layers 2 --steps 3 --warmup 1   # a quick smoke run
+
+Each setup trains `--warmup` steps untimed, then `--steps` timed steps (CUDA events around the
+whole loop), and reports ms/step, tokens/s, TFLOP/s, MFU against the GPU's dense bf16 peak and
+peak memory. FLOPs per token = 6 * params + 12 * layers * hidden * seq (no recompute counted).
+
+Setups:
+- `loongforge trainer`: what `loongforge-llm train` runs: fp32 master weights, bf16 autocast,
+  core's forward_backward, gradient clipping, fused AdamW.
+- `loongforge bf16 params`: the same model and step with bf16 parameters, as the HF baselines run.
+- `hf eager` / `hf compile`: LlamaForCausalLM (sdpa), bf16 parameters, fused AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--ffn", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--setups", default="loongforge trainer,loongforge bf16 params,hf eager,hf compile")
+    p.add_argument("--json", default=None, help="also write the results here")
+    return p.parse_args()
+
+
+def timed(step, warmup: int, steps: int) -> tuple[float, float]:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated() / 2**30
+
+
+def loongforge_step(mcfg, tokens, bf16_params: bool):
+    from loongforge.core.accelerator import get_accelerator
+    from loongforge.core.foundation.families import LLAMA
+    from loongforge.core.foundation.spec import build_gpt_model
+    from loongforge.core.parallel import init_parallel
+    from loongforge.core.train.pipeline import forward_backward
+
+    acc = get_accelerator("cuda")
+    ctx = init_parallel(1, 1, acc.backend, acc.device_type)
+    acc.manual_seed(0)
+    model = build_gpt_model(LLAMA.resolve(mcfg), ctx).cuda()
+    if bf16_params:
+        model = model.bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    mb = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.ones_like(tokens, dtype=torch.float32)}
+
+    def loss_fn(per_token, m):
+        return (per_token.float() * m["loss_mask"]).sum() / m["loss_mask"].sum()
+
+    autocast = acc.autocast
+    act = (tokens.shape[1], tokens.shape[0], mcfg.hidden_size)
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        forward_backward(model, [mb], ctx, loss_fn, act, torch.float32, tokens.device, autocast)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+
+    return step, (model, opt)
+
+
+def hf_step(mcfg, tokens, compile_: bool):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=mcfg.hidden_size, intermediate_size=mcfg.ffn_hidden_size, num_hidden_layers=mcfg.num_layers,
+        num_attention_heads=mcfg.num_attention_heads, num_key_value_heads=mcfg.num_query_groups, vocab_size=mcfg.vocab_size,
+        max_position_embeddings=mcfg.max_position_embeddings, attn_implementation="sdpa", use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).cuda().bfloat16().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    fwd = torch.compile(model) if compile_ else model
+    labels = tokens.clone()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        fwd(input_ids=tokens, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+
+    return step, (model, opt, fwd)
+
+
+def main():
+    a = parse()
+    from loongforge.core.foundation.spec import ModelConfig
+
+    mcfg = ModelConfig(
+        family="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, num_query_groups=a.heads,
+        ffn_hidden_size=a.ffn, vocab_size=a.vocab, max_position_embeddings=a.seq,
+    )
+    torch.manual_seed(0)
+    tokens = torch.randint(0, a.vocab, (a.micro_batch, a.seq), device="cuda")
+    tok_per_step = a.micro_batch * a.seq
+    fpt = mcfg.flops_per_token(a.seq)
+    peak = 989e12
+    builders = {
+        "loongforge trainer": lambda: loongforge_step(mcfg, tokens, bf16_params=False),
+        "loongforge bf16 params": lambda: loongforge_step(mcfg, tokens, bf16_params=True),
+        "hf eager": lambda: hf_step(mcfg, tokens, compile_=False),
+        "hf compile": lambda: hf_step(mcfg, tokens, compile_=True),
+    }
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, params {mcfg.num_params() / 1e9:.3f}B, "
+          f"{tok_per_step} tokens/step, {fpt / 1e9:.2f} GFLOP/token", flush=True)
+    results = {}
+    for name in [s.strip() for s in a.setups.split(",")]:
+        t0 = time.time()
+        step, keep = builders[name]()
+        ms, mem = timed(step, a.warmup, a.steps)
+        tps = tok_per_step / (ms / 1e3)
+        results[name] = {"ms_per_step": ms, "tokens_per_s": tps, "tflops": tps * fpt / 1e12, "mfu": tps * fpt / peak, "peak_gib": mem}
+        print(f"{name}: {ms:.1f} ms/step, {tps:,.0f} tok/s, {tps * fpt / 1e12:.0f} TFLOP/s, peak {mem:.1f} GiB ({time.time() - t0:.0f}s)", flush=True)
+        del step, keep
+        gc.collect()
+        torch.cuda.empty_cache()
+    print("\n| setup | ms/step | tokens/s | TFLOP/s | MFU (of 989) | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for n, r in results.items():
+        print(f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |")
+    base = {k: v for k, v in results.items() if k.startswith("hf")}
+    for ours in [k for k in results if k.startswith("loongforge")]:
+        for b, r in base.items():
+            print(f"ratio {ours} / {b}: {results[ours]['tokens_per_s'] / r['tokens_per_s']:.2f}x tokens/s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": vars(a), "results": results, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
