@@ -83,6 +83,20 @@ def test_overwrite_moves_the_old_checkpoints_aside(finished_run, tmp_path):
     assert (d / "checkpoints" / "latest").read_text() == "step_00000002"
 
 
+def test_resume_true_continues_from_another_runs_checkpoints(finished_run, hf_llama4, tmp_path):
+    import shutil
+
+    d = tmp_path / "run"
+    shutil.copytree(finished_run, d)
+    args = ["train", "tiny", *FAST, "train.train_iters=3", "train.lr=1e-2", "checkpoint.resume=true", f"checkpoint.run_dir={d}"]
+    # another model shape cannot continue from these weights
+    _one_line_error(run_cli(args), "cannot resume from", "model.num_layers is 4, the config asks for 2")
+    r = run_cli(args + [f"checkpoint.load={hf_llama4}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "at step 2" in r.stdout
+    assert (d / "checkpoints" / "latest").read_text() == "step_00000003"
+
+
 def test_corrupt_checkpoint_on_convert_and_load(finished_run, tmp_path):
     import shutil
 

@@ -33,8 +33,12 @@ def _load_text_dataset(inputs: list[str]):
     kinds = {FORMATS.get(Path(f).suffix) for f in files}
     if None in kinds or len(kinds) != 1:
         raise UserError(f"data files must share one supported format ({', '.join(FORMATS)}); got {sorted(map(str, kinds))}")
+    # Reading files shows no bars (an error right after stays one line); tokenizing shows one.
     datasets.disable_progress_bars()
-    return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
+    try:
+        return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
+    finally:
+        datasets.enable_progress_bars()
 
 
 def preprocess(inputs: list[str], tokenizer, output_prefix: str, text_key: str = "text", workers: int = 1, append_eod: bool = True) -> dict:

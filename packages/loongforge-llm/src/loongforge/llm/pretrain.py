@@ -63,6 +63,13 @@ def run_identity(cfg, mcfg: ModelConfig) -> str:
     return fingerprint({"model": dataclasses.asdict(mcfg), "data": dataclasses.asdict(cfg.data), "train": t, "load": cfg.checkpoint.load})
 
 
+def check_same_model(saved: ModelConfig, wanted: ModelConfig, where: Path) -> None:
+    for f in dataclasses.fields(ModelConfig):
+        a, b = getattr(saved, f.name), getattr(wanted, f.name)
+        if a != b:
+            raise UserError(f"cannot resume from {where}: its model.{f.name} is {a!r}, the config asks for {b!r}")
+
+
 def ensure_data(cfg, tok, run_dir: Path) -> list:
     """`data.data_path` as given, or the raw `data.corpus` preprocessed once into run_dir/data."""
     if cfg.data.data_path:
@@ -92,6 +99,8 @@ def run(cfg) -> dict:
     run_dir = Path(cfg.checkpoint.run_dir)
     identity = run_identity(cfg, mcfg)
     resume_from = prepare_run_dir(cfg.checkpoint, identity)
+    if resume_from is not None:
+        check_same_model(model_config_from_manifest(read_manifest(resume_from)), mcfg, resume_from)
 
     def prepare():
         if resume_from is None and cfg.checkpoint.overwrite:

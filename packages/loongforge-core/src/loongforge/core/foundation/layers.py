@@ -56,7 +56,7 @@ class RotarySDPAttention(nn.Module):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences arrive with the varlen attention op (SFT issue)")
+            return self._packed(query, key, value, packed_seq_params)
         seq = query.shape[0]
         positions = torch.arange(seq, device=query.device)
         q = query.transpose(0, 1)  # [b, s, h, d]
@@ -68,6 +68,23 @@ class RotarySDPAttention(nn.Module):
         out = self.ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, scale=self.softmax_scale)
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+    def _packed(self, query, key, value, params):
+        """THD layout ([total, heads, head_dim], megatron squeezes the batch of 1): positions
+        restart per sample and attention stays inside each sample."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"packed sequences must use qkv_format='thd', got {params.qkv_format!r}")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        total = query.shape[0]
+        q, k = query, key
+        if self.inv_freq is not None:
+            from loongforge.core.ops.reference import positions_from_cu_seqlens
+
+            pos = positions_from_cu_seqlens(cu, total)
+            q = self.ops.rope(q[None], pos, self.inv_freq)[0]
+            k = self.ops.rope(k[None], pos, self.inv_freq)[0]
+        out = self.ops.varlen_attention(q, k, value, cu, self.softmax_scale)
+        return out.reshape(total, -1)
 
 
 @functools.cache

@@ -93,3 +93,28 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     flat = logits.reshape(-1, logits.shape[-1]).float()
     loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="none")
     return loss.view(labels.shape)
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position ids that restart at 0 at every packed sample: [total]."""
+    idx = torch.arange(total, device=cu_seqlens.device)
+    starts = cu_seqlens[:-1].to(idx.device)
+    seg = torch.searchsorted(cu_seqlens[1:].to(idx.device).contiguous(), idx, right=True)
+    return idx - starts[seg]
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: Optional[float] = None
+) -> torch.Tensor:
+    """Causal attention over packed samples that never crosses a sample boundary.
+
+    q: [total, heads, head_dim], k/v: [total, kv_heads, head_dim], cu_seqlens: [n + 1] offsets.
+    The reference runs SDPA per sample (exact; faster kernels take the whole pack at once).
+    """
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            seg = attention(q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None], True, scale)
+            out[start:end] = seg[0].transpose(0, 1)
+    return out

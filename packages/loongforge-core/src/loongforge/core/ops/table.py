@@ -13,6 +13,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "rope": reference.rope,
     "swiglu": reference.swiglu,
     "attention": reference.attention,
+    "varlen_attention": reference.varlen_attention,
     "cross_entropy": reference.cross_entropy,
 }
 
