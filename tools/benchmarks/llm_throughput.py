@@ -13,6 +13,8 @@ Setups:
   core's forward_backward, gradient clipping, fused AdamW.
 - `loongforge bf16 params`: the same model and step with bf16 parameters, as the HF baselines run.
 - `hf eager` / `hf compile`: LlamaForCausalLM (sdpa), bf16 parameters, fused AdamW.
+- `megatron local spec`: megatron-core's own GPTModel with `get_gpt_layer_local_spec` (no
+  transformer-engine: its unfused DotProductAttention), bf16 parameters, same step.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def parse():
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--setups", default="loongforge trainer,loongforge bf16 params,hf eager,hf compile")
+    p.add_argument("--setups", default="loongforge trainer,loongforge bf16 params,hf eager,hf compile,megatron local spec")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args()
 
@@ -87,6 +89,35 @@ def loongforge_step(mcfg, tokens, bf16_params: bool):
     return step, (model, opt)
 
 
+def megatron_local_step(mcfg, tokens):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from loongforge.core.accelerator import get_accelerator
+    from loongforge.core.foundation.families import LLAMA
+    from loongforge.core.foundation.spec import transformer_config
+    from loongforge.core.parallel import init_parallel
+
+    acc = get_accelerator("cuda")
+    init_parallel(1, 1, acc.backend, acc.device_type)
+    acc.manual_seed(0)
+    config = transformer_config(LLAMA.resolve(mcfg), 1, 1, torch.bfloat16, recompute=False)
+    config.bf16 = True
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=mcfg.vocab_size,
+                     max_sequence_length=mcfg.max_position_embeddings, position_embedding_type="rope").cuda().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    labels = tokens.roll(-1, 1)
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        model(tokens, None, None, labels=labels).float().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+
+    return step, (model, opt)
+
+
 def hf_step(mcfg, tokens, compile_: bool):
     import transformers
 
@@ -128,6 +159,7 @@ def main():
         "loongforge bf16 params": lambda: loongforge_step(mcfg, tokens, bf16_params=True),
         "hf eager": lambda: hf_step(mcfg, tokens, compile_=False),
         "hf compile": lambda: hf_step(mcfg, tokens, compile_=True),
+        "megatron local spec": lambda: megatron_local_step(mcfg, tokens),
     }
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, params {mcfg.num_params() / 1e9:.3f}B, "
           f"{tok_per_step} tokens/step, {fpt / 1e9:.2f} GFLOP/token", flush=True)
@@ -146,7 +178,7 @@ def main():
     print("| --- | --- | --- | --- | --- | --- |")
     for n, r in results.items():
         print(f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |")
-    base = {k: v for k, v in results.items() if k.startswith("hf")}
+    base = {k: v for k, v in results.items() if not k.startswith("loongforge")}
     for ours in [k for k in results if k.startswith("loongforge")]:
         for b, r in base.items():
             print(f"ratio {ours} / {b}: {results[ours]['tokens_per_s'] / r['tokens_per_s']:.2f}x tokens/s")

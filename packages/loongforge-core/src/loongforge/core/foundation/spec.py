@@ -115,7 +115,7 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.d
     return TransformerConfig(**kw)
 
 
-def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int):
+def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None):
     """megatron-core block spec for one pipeline stage of `num_layers` layers: megatron's parallel
     linears, attention block and MLP block; every norm (the final one too), the rotary attention
     core and the SwiGLU activation compute through the op table."""
@@ -154,7 +154,8 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int):
             pre_mlp_layernorm=norm,
             mlp=ModuleSpec(
                 module=swiglu_mlp_class(),
-                params={"ops": ops},
+                # megatron passes its TP group only to modules that are exactly its MLP class
+                params={"ops": ops, "tp_group": tp_group},
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
@@ -176,7 +177,7 @@ def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dt
     ops = ops or OpTable()
     model = GPTModel(
         config=transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute),
-        transformer_layer_spec=block_spec(cfg, ops, cfg.num_layers // ctx.pp_size),
+        transformer_layer_spec=block_spec(cfg, ops, cfg.num_layers // ctx.pp_size, ctx.tp_group),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=ctx.is_first_stage,
