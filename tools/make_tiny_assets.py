@@ -1,7 +1,8 @@
 """Regenerate the tiny corpus and tokenizer shipped in loongforge-llm (for the demo and tests).
 
 The corpus is synthetic, deterministic English-like text with learnable structure (templated
-facts, counting, simple arithmetic); the tokenizer is a byte-level BPE trained on it.
+facts, counting, simple arithmetic); the tokenizer is a byte-level BPE trained on it; the SFT
+set is alpaca-format questions about the same facts.
 
     python tools/make_tiny_assets.py
 """
@@ -36,6 +37,19 @@ def document(rng: random.Random) -> str:
     return f"{n1} gave the {t} to {n2}. Now {n2} has the {t} and {n1} has no {t}."
 
 
+def sft_rows(rng: random.Random) -> list[dict]:
+    rows = []
+    for _ in range(600):
+        if rng.random() < 0.5:
+            a, b = rng.randrange(0, 6), rng.randrange(0, 5)
+            rows.append({"instruction": f"What is {NUMS[a]} plus {NUMS[b]}?", "output": f"{NUMS[a]} plus {NUMS[b]} is {NUMS[a + b]}."})
+        else:
+            n1, n2 = rng.sample(NAMES, 2)
+            t = rng.choice(THINGS)
+            rows.append({"instruction": f"{n1} gave the {t} to {n2}. Who has the {t}?", "output": f"{n2} has the {t}."})
+    return rows
+
+
 def main() -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -53,7 +67,11 @@ def main() -> None:
     tok.train_from_iterator(docs, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.save_pretrained(str(ASSETS / "tiny_tokenizer"))
-    print(f"wrote {len(docs)} documents and a {tok.get_vocab_size()}-token tokenizer to {ASSETS}")
+    sft = sft_rows(random.Random(1))
+    with open(ASSETS / "tiny_sft.jsonl", "w") as f:
+        for r in sft:
+            f.write(json.dumps(r) + "\n")
+    print(f"wrote {len(docs)} documents, {len(sft)} SFT rows and a {tok.get_vocab_size()}-token tokenizer to {ASSETS}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from loongforge.core.errors import UserError, cli_entry
 EXAMPLES = """examples:
   loongforge-llm train tiny                                   # demo: shipped tiny corpus + model, CPU ok
   loongforge-llm train tiny train.train_iters=20 checkpoint.run_dir=runs/t
+  loongforge-llm train sft checkpoint.load=runs/tiny/hf    # SFT demo: shipped alpaca set, packing
   loongforge-llm train run.yaml train.lr=3e-4 parallel.tensor_model_parallel_size=2
   torchrun --nproc-per-node 2 -m loongforge.llm.cli train run.yaml parallel.pipeline_model_parallel_size=2
   loongforge-llm train run.yaml checkpoint.load=/models/Llama-3.2-1B   # start from HF weights
@@ -50,12 +51,18 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "train":
-        from loongforge.core.config import load_config
+        from loongforge.core.config import load_config, read_yaml
         from loongforge.llm import pretrain
-        from loongforge.llm.config import CONFIG_DIR, PretrainConfig, shipped_config
+        from loongforge.llm.config import CONFIG_DIR, RECIPES, shipped_config
+        from loongforge.llm.sft import recipe as sft
 
-        cfg = load_config(PretrainConfig, shipped_config(args.config), args.overrides, search=[CONFIG_DIR])
-        state = pretrain.run(cfg)
+        path = shipped_config(args.config)
+        recipe = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("recipe=")), None)
+        recipe = recipe or read_yaml(path, [CONFIG_DIR]).get("recipe", "pretrain")
+        if recipe not in RECIPES:
+            raise UserError(f"recipe={recipe!r}: choose one of {', '.join(RECIPES)}")
+        cfg = load_config(RECIPES[recipe], path, args.overrides, search=[CONFIG_DIR])
+        state = (sft.run if recipe == "sft" else pretrain.run)(cfg)
         import torch.distributed as dist
 
         if dist.get_rank() == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import List, Optional
 
 from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
 from loongforge.core.foundation.spec import ModelConfig
@@ -22,6 +23,7 @@ class TextDataConfig:
 
 @dataclass
 class PretrainConfig:
+    recipe: str = "pretrain"
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: TextDataConfig = field(default_factory=TextDataConfig)
@@ -37,3 +39,37 @@ def shipped_config(name: str) -> Path:
         return p
     cand = CONFIG_DIR / (name if name.endswith(".yaml") else name + ".yaml")
     return cand if cand.is_file() else p
+
+
+@dataclass
+class SFTDatasetConfig:
+    path: str = ""  # jsonl/json/parquet/arrow/csv file or directory, or "tiny" (shipped demo set)
+    format: str = "alpaca"  # alpaca | sharegpt | openai
+    weight: float = 1.0
+    keys: dict = field(default_factory=dict)  # field-name overrides, e.g. {messages: chat, role: speaker}
+
+
+@dataclass
+class SFTDataConfig:
+    datasets: List[SFTDatasetConfig] = field(default_factory=list)
+    tokenizer: str = "tiny"
+    template: Optional[str] = None  # None: the tokenizer's own; or qwen2, qwen3, qwen3_thinking, llama3
+    seq_length: int = 512
+    packing: bool = True  # best-fit decreasing packs (micro_batch_size must be 1); false: one padded sample per row
+    train_on_prompt: bool = False
+    last_turn_only: bool = False
+    on_bad_sample: str = "skip"  # skip | error
+
+
+@dataclass
+class SFTConfig:
+    recipe: str = "sft"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ops: dict = field(default_factory=dict)
+
+
+RECIPES = {"pretrain": PretrainConfig, "sft": SFTConfig}

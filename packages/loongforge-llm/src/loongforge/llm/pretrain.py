@@ -1,11 +1,13 @@
-"""The pretraining recipe: fills core's trainer hooks with a megatron-core GPT model stage,
-megatron GPT datasets and HF import/export."""
+"""The pretraining recipe, and the setup every LLM recipe shares (`train`): core's trainer hooks
+filled with a megatron-core GPT model stage, the recipe's data and HF import/export."""
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -88,7 +90,52 @@ def resolve_corpus(item: str) -> Path:
     return Path(item)
 
 
+@dataclass
+class RunData:
+    """What a recipe's data side gives the shared training setup."""
+
+    batches: Callable[[int], Iterator[list[dict]]]  # first step -> micro-batch lists
+    loss_fn: Callable  # (per-token loss, micro-batch) -> scalar
+    tokens_per_step: int
+    micro_batch_rows: int  # rows of one micro-batch (1 for THD packs)
+    eval_batches: Optional[Callable[[], list]] = None
+
+
+def masked_mean_loss(per_token, mb):
+    mask = mb["loss_mask"].float()
+    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+
+
+def pretrain_data(cfg, tok, ctx, run_dir: Path, device) -> RunData:
+    data_cfg = dataclasses.replace(cfg.data, data_path=ensure_data(cfg, tok, run_dir))
+    t = cfg.train
+    n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
+    train_ds, valid_ds, _ = text_data.build_gpt_datasets(
+        data_cfg, tok, t.seed, [t.train_iters * t.global_batch_size, max(1, n_evals * t.eval_iters * t.global_batch_size), 0],
+        run_dir / "data" / "cache",
+    )
+
+    def batches(start):
+        return text_data.step_batches(train_ds, start, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, device)
+
+    def eval_batches():
+        if valid_ds is None:
+            return []
+        it = text_data.step_batches(valid_ds, 0, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, device)
+        return [next(it) for _ in range(t.eval_iters)]
+
+    return RunData(batches, masked_mean_loss, t.global_batch_size * cfg.data.seq_length, t.micro_batch_size,
+                   eval_batches if t.eval_interval else None)
+
+
 def run(cfg) -> dict:
+    return train(cfg, pretrain_data)
+
+
+def train(cfg, make_data: Callable) -> dict:
+    """The setup every LLM recipe shares: devices and groups, tokenizer, model config and its
+    starting weights, run directory, then core's trainer. `make_data(cfg, tok, ctx, run_dir,
+    device)` returns the recipe's RunData."""
     acc = get_accelerator()
     par = cfg.parallel
     ctx = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, acc.backend, acc.device_type)
@@ -113,20 +160,12 @@ def run(cfg) -> dict:
             copy_tokenizer(resolve_tokenizer_path(cfg.data.tokenizer), run_dir / "tokenizer")
 
     on_rank0(prepare)
-
-    data_cfg = dataclasses.replace(cfg.data, data_path=ensure_data(cfg, tok, run_dir))
-    t = cfg.train
-    n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
-    train_ds, valid_ds, _ = text_data.build_gpt_datasets(
-        data_cfg, tok, t.seed, [t.train_iters * t.global_batch_size, max(1, n_evals * t.eval_iters * t.global_batch_size), 0],
-        run_dir / "data" / "cache",
-    )
     device = acc.device()
-    recompute = t.recompute
+    data = make_data(cfg, tok, ctx, run_dir, device)
+    t = cfg.train
 
     def build():
-        model = build_gpt_model(mcfg, ctx, ops, recompute=recompute)
-        return model.to(device)
+        return build_gpt_model(mcfg, ctx, ops, recompute=t.recompute).to(device)
 
     def initial_weights(model):
         if source is None:
@@ -150,33 +189,18 @@ def run(cfg) -> dict:
         on_rank0(lambda: verify_files(step))
         load_megatron(step, model)
 
-    def loss_fn(per_token, mb):
-        mask = mb["loss_mask"].float()
-        return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
-
     def on_saved(step_dir: Path, final: bool):
         if final and cfg.checkpoint.export_hf:
             export_hf(step_dir, run_dir / "hf", in_process=dist.get_world_size() == 1)
 
-    dp_rank, dp_size = ctx.dp_rank, ctx.dp_size
-
-    def batches(start):
-        return text_data.step_batches(train_ds, start, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, device)
-
-    def eval_batches():
-        if valid_ds is None:
-            return []
-        it = text_data.step_batches(valid_ds, 0, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, device)
-        return [next(it) for _ in range(t.eval_iters)]
-
     hooks = TrainHooks(
         build=build,
-        batches=batches,
-        loss_fn=loss_fn,
-        act_shape=(cfg.data.seq_length, t.micro_batch_size, mcfg.hidden_size),
-        tokens_per_step=t.global_batch_size * cfg.data.seq_length,
+        batches=data.batches,
+        loss_fn=data.loss_fn,
+        act_shape=(cfg.data.seq_length, data.micro_batch_rows, mcfg.hidden_size),
+        tokens_per_step=data.tokens_per_step,
         flops_per_token=mcfg.flops_per_token(cfg.data.seq_length),
-        eval_batches=eval_batches if t.eval_interval else None,
+        eval_batches=data.eval_batches,
         initial_weights=initial_weights,
         on_saved=on_saved,
     )

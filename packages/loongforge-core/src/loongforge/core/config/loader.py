@@ -34,6 +34,11 @@ def _read_yaml(path: Path, search: Iterable[Path], seen: tuple = ()) -> dict:
     return OmegaConf.to_container(OmegaConf.merge(merged, data))
 
 
+def read_yaml(path: str | Path, search: Iterable[Path] = ()) -> dict:
+    """A YAML file with its `defaults:` merged in, as a plain dict (no schema applied)."""
+    return _read_yaml(Path(path), list(search))
+
+
 def _check_keys(schema, data: Any, prefix: str = "") -> None:
     if not dataclasses.is_dataclass(schema) or not isinstance(data, dict):
         return

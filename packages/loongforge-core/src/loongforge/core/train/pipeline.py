@@ -27,13 +27,14 @@ def forward_backward(
     forward_only: bool = False,
 ) -> torch.Tensor:
     """Return the mean micro-batch loss (on every stage). `loss_fn(output, mb)` gives the
-    scalar loss of one micro-batch from the last stage's output (per-token losses)."""
+    scalar loss of one micro-batch from the last stage's output (per-token losses). A
+    micro-batch may carry `packed_seq_params` (THD packing); every stage receives it."""
     n = len(microbatches)
     losses = []
     if ctx.pp_size == 1:
         for mb in microbatches:
             with autocast():
-                loss = loss_fn(model(mb["tokens"], None, None, labels=mb["labels"]), mb)
+                loss = loss_fn(model(mb["tokens"], None, None, labels=mb["labels"], packed_seq_params=mb.get("packed_seq_params")), mb)
             if not forward_only:
                 (loss / n).backward()
             losses.append(loss.detach())
@@ -48,7 +49,13 @@ def forward_backward(
             recv.requires_grad_(not forward_only)
             model.set_input_tensor(recv)
         with torch.set_grad_enabled(not forward_only), autocast():
-            out = model(mb["tokens"] if ctx.is_first_stage else None, None, None, labels=mb["labels"] if ctx.is_last_stage else None)
+            out = model(
+                mb["tokens"] if ctx.is_first_stage else None,
+                None,
+                None,
+                labels=mb["labels"] if ctx.is_last_stage else None,
+                packed_seq_params=mb.get("packed_seq_params"),
+            )
             if ctx.is_last_stage:
                 out = loss_fn(out, mb)
                 losses.append(out.detach())

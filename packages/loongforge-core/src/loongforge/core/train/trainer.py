@@ -261,7 +261,7 @@ class Trainer:
                     "skipped": not finite,
                     **self.acc.memory_stats(),
                 }
-                if cfg.eval_interval and state["step"] % cfg.eval_interval == 0:
+                if self.hooks.eval_batches is not None and cfg.eval_interval and state["step"] % cfg.eval_interval == 0:
                     record["eval_loss"] = self.evaluate(model)
                     metrics.write(f"step {state['step']}: eval loss {record['eval_loss']:.4f}")
                 if state["step"] % cfg.log_interval == 0 or state["step"] == cfg.train_iters:

@@ -1,0 +1,106 @@
+"""Chat templates with assistant-token masks.
+
+The tokenizer's own Jinja template is used when it has one; the built-in templates serve
+tokenizers that have none. Every built-in template marks assistant text with `{% generation %}`
+blocks, so HF's `apply_chat_template(..., return_assistant_tokens_mask=True)` gives an explicit
+mask (no string matching). A tokenizer's own template without such blocks gets no loss mask
+from it: the tokenizer is refused with a message naming the built-in templates to use instead.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from loongforge.core.errors import UserError
+from loongforge.llm.sft.formats import BadSample
+
+_IM = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' %}"
+    "<|im_start|>assistant\n{% generation %}{THINK}{{ m['content'] }}<|im_end|>{% endgeneration %}\n"
+    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+BUILTIN_TEMPLATES = {
+    "qwen2": _IM.replace("{THINK}", ""),
+    # Qwen3 without thinking: an empty think block precedes every answer.
+    "qwen3": _IM.replace("{THINK}", "<think>\n\n</think>\n\n"),
+    # Qwen3 with thinking: the reasoning, when a message carries it, is trained on too.
+    "qwen3_thinking": _IM.replace("{THINK}", "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"),
+    "llama3": (
+        "{{- bos_token }}"
+        "{%- for m in messages %}"
+        "{%- if m['role'] == 'assistant' %}"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{% generation %}{{ m['content'] | trim }}<|eot_id|>{% endgeneration %}"
+        "{%- else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+    ),
+}
+
+IGNORE = -100
+
+
+class SFTTokenizer:
+    """messages -> (input_ids, labels) with the loss only where the options say.
+
+    `train_on_prompt`: loss on every token. `last_turn_only`: loss on the last assistant turn only.
+    Over-long samples raise BadSample("over_long"); `stats` counts kept and bad rows by reason.
+    """
+
+    def __init__(self, tokenizer, template: str | None = None, max_length: int = 4096, train_on_prompt: bool = False, last_turn_only: bool = False):
+        self.tok = tokenizer
+        if template is not None:
+            if template not in BUILTIN_TEMPLATES:
+                raise UserError(f"unknown chat template {template!r}; built-in: {', '.join(BUILTIN_TEMPLATES)}")
+            self.template = BUILTIN_TEMPLATES[template]
+        elif getattr(tokenizer, "chat_template", None):
+            if "generation" not in tokenizer.chat_template:
+                raise UserError(
+                    "the tokenizer's chat template has no {% generation %} blocks, so it gives no assistant mask; "
+                    f"set a built-in template ({', '.join(BUILTIN_TEMPLATES)})"
+                )
+            self.template = tokenizer.chat_template
+        else:
+            raise UserError(f"the tokenizer has no chat template; set a built-in one ({', '.join(BUILTIN_TEMPLATES)})")
+        self.max_length = max_length
+        self.train_on_prompt = train_on_prompt
+        self.last_turn_only = last_turn_only
+        self.stats: Counter = Counter()
+
+    def __call__(self, messages: list[dict]) -> dict:
+        out = self.tok.apply_chat_template(messages, chat_template=self.template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        if len(ids) > self.max_length:
+            raise BadSample("over_long", f"{len(ids)} > {self.max_length} tokens")
+        if self.train_on_prompt:
+            mask = [1] * len(ids)
+        elif self.last_turn_only:
+            last_start = max(i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1]))
+            mask = [m if i >= last_start else 0 for i, m in enumerate(mask)]
+        labels = [t if m else IGNORE for t, m in zip(ids, mask)]
+        return {"input_ids": ids, "labels": labels}
+
+    def tokenize_rows(self, rows, fmt: str, keys: dict | None = None, on_bad_sample: str = "skip"):
+        """Yield tokenized samples; count bad rows by reason; error on the first with
+        on_bad_sample="error", and when no sample has a trained token."""
+        from loongforge.llm.sft.formats import to_messages
+
+        if on_bad_sample not in ("skip", "error"):
+            raise UserError(f"on_bad_sample={on_bad_sample!r}: choose skip or error")
+        trained = 0
+        for n, row in enumerate(rows):
+            try:
+                sample = self(to_messages(row, fmt, keys))
+            except BadSample as e:
+                self.stats[e.reason] += 1
+                if on_bad_sample == "error":
+                    raise UserError(f"row {n}: {e} (set on_bad_sample=skip to drop such rows)") from None
+                continue
+            self.stats["kept"] += 1
+            trained += sum(1 for x in sample["labels"] if x != IGNORE)
+            yield sample
+        if trained == 0:
+            raise UserError(f"no sample has a token to train on (all labels masked); bad rows: {dict(self.stats)}")

@@ -1,0 +1,93 @@
+"""SFT through the CLI: packed training equals unpacked training on the same samples, across
+layouts too; bad rows are counted; an all-masked dataset is an error."""
+
+import json
+
+import pytest
+
+from conftest import losses, run_cli
+
+pytestmark = pytest.mark.slow
+
+ROWS = [
+    {"instruction": "What is one plus two?", "output": "one plus two is three."},
+    {"instruction": "Ada gave the kite to Ben. Who has the kite?", "output": "Ben has the kite."},
+    {"instruction": "What is four plus one?", "input": "count on your fingers", "output": "four plus one is five."},
+    {"instruction": "What is zero plus zero?", "output": "zero."},
+    {"instruction": "Cleo gave the lamp to Dev. Who has the lamp?", "output": "Dev has the lamp, since Cleo gave it away."},
+    {"instruction": "What is two plus two?", "output": "two plus two is four."},
+]
+COMMON = ["train.lr_warmup_iters=0", "train.lr=5e-3", "train.min_lr=5e-3", "train.log_interval=1", "checkpoint.export_hf=false", "data.seq_length=128"]
+
+
+@pytest.fixture(scope="module")
+def rows_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sft")
+    f = d / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return f
+
+
+def _num_packs(rows_file):
+    from loongforge.core.data import best_fit_decreasing
+    from loongforge.llm.sft import SFTTokenizer, to_messages
+    from loongforge.llm.tokenizer import load_tokenizer
+
+    st = SFTTokenizer(load_tokenizer("tiny"), "qwen2")
+    lengths = [len(st(to_messages(r, "alpaca"))["input_ids"]) - 1 for r in ROWS]
+    return len(best_fit_decreasing(lengths, 128))
+
+
+def _sft(rows_file, run_dir, hf, *extra, nproc=1):
+    """Every run starts from the same HF weights (random init depends on the pipeline layout)."""
+    return run_cli(["train", "sft", *COMMON, f"data.datasets=[{{path: {rows_file}, format: alpaca}}]", f"checkpoint.load={hf}",
+                    f"checkpoint.run_dir={run_dir}", *extra], nproc=nproc)
+
+
+@pytest.fixture(scope="module")
+def packed(rows_file, hf_llama4, tmp_path_factory):
+    d = tmp_path_factory.mktemp("packed")
+    n = _num_packs(rows_file)
+    assert n < len(ROWS)
+    r = _sft(rows_file, d, hf_llama4, "data.packing=true", "train.micro_batch_size=1", f"train.global_batch_size={n}", "train.train_iters=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "packing efficiency" in r.stdout
+    return losses(d)
+
+
+def test_packed_equals_unpacked(packed, rows_file, hf_llama4, tmp_path):
+    # every step's global batch is all six samples, packed or one per row
+    r = _sft(rows_file, tmp_path, hf_llama4, "data.packing=false", "train.micro_batch_size=2", f"train.global_batch_size={len(ROWS)}", "train.train_iters=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    unpacked = losses(tmp_path)
+    assert packed[3] < packed[1]
+    for step in (1, 2, 3):
+        assert abs(packed[step] - unpacked[step]) <= 1e-5 * unpacked[step], (step, packed[step], unpacked[step])
+
+
+@pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
+def test_packed_sft_across_layouts(layout, packed, rows_file, hf_llama4, tmp_path):
+    n = _num_packs(rows_file)
+    r = _sft(rows_file, tmp_path, hf_llama4, "data.packing=true", "train.micro_batch_size=1", f"train.global_batch_size={n}", "train.train_iters=3",
+             layout, nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = losses(tmp_path)
+    for step in (1, 2, 3):
+        assert abs(got[step] - packed[step]) <= 1e-5 * packed[step], (layout, step, got[step], packed[step])
+
+
+def test_bad_rows_are_counted_and_all_masked_is_an_error(rows_file, tmp_path):
+    f = tmp_path / "mixed.jsonl"
+    f.write_text(rows_file.read_text() + json.dumps({"instruction": "no answer"}) + "\n")
+    r = run_cli(["train", "sft", *COMMON, f"data.datasets=[{{path: {f}, format: alpaca}}]", "train.global_batch_size=1", "train.train_iters=1",
+                 f"checkpoint.run_dir={tmp_path / 'a'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "'missing_field': 1" in r.stdout and "'kept': 6" in r.stdout
+    r = run_cli(["train", "sft", *COMMON, f"data.datasets=[{{path: {f}, format: alpaca}}]", "data.on_bad_sample=error", f"checkpoint.run_dir={tmp_path / 'b'}"])
+    assert r.returncode == 2 and "row 6: missing_field" in r.stderr
+    g = tmp_path / "none.jsonl"
+    g.write_text(json.dumps({"instruction": "x"}) + "\n")
+    r = run_cli(["train", "sft", *COMMON, f"data.datasets=[{{path: {g}, format: alpaca}}]", f"checkpoint.run_dir={tmp_path / 'c'}"])
+    assert r.returncode == 2 and "all labels masked" in r.stderr
+    r = run_cli(["train", "sft", *COMMON, "train.micro_batch_size=2", f"checkpoint.run_dir={tmp_path / 'd'}"])
+    assert r.returncode == 2 and "train.micro_batch_size=1" in r.stderr
