@@ -35,12 +35,14 @@ def uninterrupted(hf_llama4, tmp_path_factory):
 def killed(hf_llama4, tmp_path_factory):
     """A run killed with SIGKILL right after its step-3 checkpoint landed."""
     d = tmp_path_factory.mktemp("killed")
-    p = subprocess.Popen([sys.executable, "-m", "loongforge.llm.cli", *_args(d, hf_llama4)], env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # its own process group, so the kill takes its helper processes too (as killing a job does)
+    p = subprocess.Popen([sys.executable, "-m", "loongforge.llm.cli", *_args(d, hf_llama4)], env=cli_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     latest = d / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and time.time() < deadline and p.poll() is None:
         time.sleep(0.01)
-    os.kill(p.pid, signal.SIGKILL)
+    os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     assert latest.read_text() == "step_00000003"
     return d
