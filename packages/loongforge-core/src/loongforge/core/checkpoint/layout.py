@@ -80,9 +80,13 @@ class CheckpointDir:
     def latest(self) -> Path | None:
         return find_checkpoint(self.root) if self.root.exists() else None
 
+    def tmp_dir(self, step: int) -> Path:
+        """Where step `step` is written before `commit` renames it into place."""
+        return self.root / f".tmp-{self.step_name(step)}"
+
     def begin(self, step: int) -> Path:
         """A fresh temporary directory for step `step` (rank 0 calls this)."""
-        tmp = self.root / f".tmp-{self.step_name(step)}"
+        tmp = self.tmp_dir(step)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)

@@ -86,6 +86,3 @@ def load_config(schema, path: str | Path | None = None, overrides: Iterable[str]
             raise UserError(f"config key '{key}': {msg}") from None
     return OmegaConf.to_object(base)
 
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)

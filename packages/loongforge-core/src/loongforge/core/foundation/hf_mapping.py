@@ -7,7 +7,6 @@ of and the transform between them. The same rows serve offline conversion and on
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -95,10 +94,3 @@ def lf_to_hf(table, lf_state: dict, cfg) -> dict:
                 out[h] = p.detach().clone().contiguous()
     return out
 
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def lf_layer_names_to_global(state: dict, offset: int) -> dict:
-    """Rename a pipeline stage's local layer indices to global ones."""
-    return {_LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", k): v for k, v in state.items()}

@@ -55,10 +55,6 @@ class ParallelContext:
     def next_rank(self) -> int:
         return dist.get_global_rank(self.pp_group, self.pp_rank + 1)
 
-    @property
-    def world_rank(self) -> int:
-        return dist.get_rank()
-
     @cached_property
     def _pgs(self):
         from megatron.core.process_groups_config import ProcessGroupCollection

@@ -129,7 +129,7 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------
     def save(self, model, optimizer, step: int, state: dict, final: bool) -> Path:
         ckdir = CheckpointDir(self.run_dir)
-        tmp = ckdir.root / f".tmp-{ckdir.step_name(step)}"
+        tmp = ckdir.tmp_dir(step)
         if self.rank0:
             ckdir.begin(step)
         dist.barrier()
