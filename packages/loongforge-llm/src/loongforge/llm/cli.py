@@ -95,21 +95,17 @@ def main(argv: list[str]) -> int:
 
 
 def generate(args) -> int:
-    from pathlib import Path
-
     import torch
 
-    from loongforge.core.checkpoint import find_checkpoint
-    from loongforge.llm.model_io import load_model
+    from loongforge.llm.model_io import load_model, tokenizer_dir_for
     from loongforge.llm.tokenizer import load_tokenizer
 
     tok_path = args.tokenizer
     if tok_path is None:
-        step = find_checkpoint(args.model)
-        cands = [Path(args.model)] if step is None else [step.parent.parent / "tokenizer", Path(args.model) / "tokenizer"]
-        tok_path = next((str(c) for c in cands if (c / "tokenizer_config.json").is_file() or (c / "tokenizer.json").is_file()), None)
-        if tok_path is None:
+        found = tokenizer_dir_for(args.model)
+        if found is None:
             raise UserError(f"no tokenizer found with {args.model}; pass --tokenizer")
+        tok_path = str(found)
     tok = load_tokenizer(tok_path)
     model = load_model(args.model)
     ids = torch.tensor([tok(args.prompt, add_special_tokens=False)["input_ids"]])

@@ -22,14 +22,21 @@ class TextDataConfig:
 
 
 @dataclass
-class PretrainConfig:
-    recipe: str = "pretrain"
+class RunSections:
+    """The sections every LLM recipe's config has; each recipe adds its `data` section."""
+
+    recipe: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: TextDataConfig = field(default_factory=TextDataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ops: dict = field(default_factory=dict)  # op name -> implementation, e.g. {rms_norm: reference}
+
+
+@dataclass
+class PretrainConfig(RunSections):
+    recipe: str = "pretrain"
+    data: TextDataConfig = field(default_factory=TextDataConfig)
 
 
 def shipped_config(name: str) -> Path:
@@ -62,14 +69,9 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(RunSections):
     recipe: str = "sft"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    ops: dict = field(default_factory=dict)
 
 
 RECIPES = {"pretrain": PretrainConfig, "sft": SFTConfig}

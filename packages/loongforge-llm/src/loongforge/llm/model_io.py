@@ -77,21 +77,21 @@ def copy_tokenizer(src, dst) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def hf_to_lf(hf_dir, out_dir) -> Path:
-    model = CausalLM.from_hf(hf_dir, families(), _single_process_ctx())
-    tok = Path(hf_dir) if (Path(hf_dir) / "tokenizer.json").is_file() or (Path(hf_dir) / "tokenizer_config.json").is_file() else None
-    step = write_checkpoint(model, out_dir)
-    if tok is not None:
-        (Path(out_dir) / "tokenizer").mkdir(exist_ok=True)
-        copy_tokenizer(tok, Path(out_dir) / "tokenizer")
-    return step
+def _has_tokenizer(d: Path) -> bool:
+    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
 
 
-def _tokenizer_dir_of(step: Path, manifest: dict) -> Path | None:
-    for cand in (step.parent.parent / "tokenizer",):
-        if cand.is_dir():
-            return cand
-    tok = manifest.get("config", {}).get("data", {}).get("tokenizer")
+def tokenizer_dir_for(path) -> Path | None:
+    """The tokenizer that goes with a model: an HF directory's own files, or a checkpoint's run
+    `tokenizer/` directory, else the tokenizer its manifest's config names."""
+    p = Path(path)
+    step = find_checkpoint(p) if not hf_io.is_hf_dir(p) else None
+    if step is None:
+        return p if _has_tokenizer(p) else None
+    run_tok = step.parent.parent / "tokenizer"
+    if _has_tokenizer(run_tok):
+        return run_tok
+    tok = read_manifest(step).get("config", {}).get("data", {}).get("tokenizer")
     if tok:
         from loongforge.llm.tokenizer import resolve_tokenizer_path
 
@@ -102,6 +102,16 @@ def _tokenizer_dir_of(step: Path, manifest: dict) -> Path | None:
     return None
 
 
+def hf_to_lf(hf_dir, out_dir) -> Path:
+    model = CausalLM.from_hf(hf_dir, families(), _single_process_ctx())
+    tok = tokenizer_dir_for(hf_dir)
+    step = write_checkpoint(model, out_dir)
+    if tok is not None:
+        (Path(out_dir) / "tokenizer").mkdir(exist_ok=True)
+        copy_tokenizer(tok, Path(out_dir) / "tokenizer")
+    return step
+
+
 def lf_to_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32) -> Path:
     step = find_checkpoint(ckpt)
     if step is None:
@@ -110,8 +120,7 @@ def lf_to_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32) -> Path:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out}: output directory exists and is not empty; choose a new one")
     model = load_model(step)
-    manifest = read_manifest(step)
-    tok_dir = _tokenizer_dir_of(step, manifest)
+    tok_dir = tokenizer_dir_for(step)
     extra = {}
     if tok_dir is not None:
         from loongforge.llm.tokenizer import load_tokenizer
