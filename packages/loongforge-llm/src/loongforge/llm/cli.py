@@ -12,12 +12,14 @@ EXAMPLES = """examples:
   loongforge-llm train tiny                                   # demo: shipped tiny corpus + model, CPU ok
   loongforge-llm train tiny train.train_iters=20 checkpoint.run_dir=runs/t
   loongforge-llm train sft checkpoint.load=runs/tiny/hf    # SFT demo: shipped alpaca set, packing
+  loongforge-llm train lora checkpoint.load=runs/tiny/hf   # LoRA SFT demo: adapters only, PEFT export
   loongforge-llm train run.yaml train.lr=3e-4 parallel.tensor_model_parallel_size=2
   torchrun --nproc-per-node 2 -m loongforge.llm.cli train run.yaml parallel.pipeline_model_parallel_size=2
   loongforge-llm train run.yaml checkpoint.load=/models/Llama-3.2-1B   # start from HF weights
   loongforge-llm preprocess --input corpus.jsonl --tokenizer /models/Llama-3.2-1B --output-prefix data/corpus
   loongforge-llm convert hf-to-lf /models/Qwen3-0.6B ckpt/qwen3
-  loongforge-llm convert lf-to-hf runs/t ckpt/t-hf
+  loongforge-llm convert lf-to-hf runs/t ckpt/t-hf                  # LoRA runs: adapters merged in
+  loongforge-llm convert lf-to-peft runs/lora ckpt/lora-adapter     # LoRA adapters for transformers + peft
   loongforge-llm generate runs/t --prompt "Ada gave the" --max-new-tokens 8
 Errors you can fix print one line and exit 2; add --debug for the traceback."""
 
@@ -35,15 +37,17 @@ def parser() -> argparse.ArgumentParser:
     pp.add_argument("--text-key", default="text")
     pp.add_argument("--workers", type=int, default=1)
     c = sub.add_parser("convert", help="HF <-> LoongForge checkpoints", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("direction", choices=["hf-to-lf", "lf-to-hf"])
+    c.add_argument("direction", choices=["hf-to-lf", "lf-to-hf", "lf-to-peft"])
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="lf-to-hf: dtype of the written weights")
+    c.add_argument("--base", default=None, help="LoRA checkpoints: base model (default: the checkpoint.load it was trained from)")
     g = sub.add_parser("generate", help="greedy generation from an HF dir or checkpoint")
     g.add_argument("model")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--tokenizer", default=None, help="default: the checkpoint's own tokenizer")
+    g.add_argument("--base", default=None, help="LoRA checkpoints: base model (default: the checkpoint.load it was trained from)")
     return p
 
 
@@ -82,11 +86,13 @@ def main(argv: list[str]) -> int:
 
         if args.direction == "hf-to-lf":
             out = model_io.hf_to_lf(args.src, args.dst)
+        elif args.direction == "lf-to-peft":
+            out = model_io.lf_to_peft(args.src, args.dst, args.base)
         else:
             import torch
 
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-            out = model_io.lf_to_hf(args.src, args.dst, dtype)
+            out = model_io.lf_to_hf(args.src, args.dst, dtype, args.base)
         print(f"wrote {out}")
         return 0
     if args.cmd == "generate":
@@ -107,7 +113,7 @@ def generate(args) -> int:
             raise UserError(f"no tokenizer found with {args.model}; pass --tokenizer")
         tok_path = str(found)
     tok = load_tokenizer(tok_path)
-    model = load_model(args.model)
+    model = load_model(args.model, args.base)
     ids = torch.tensor([tok(args.prompt, add_special_tokens=False)["input_ids"]])
     out = model.generate(ids, args.max_new_tokens, eos_token_id=tok.eos_token_id)
     print(tok.decode(out[0].tolist()))

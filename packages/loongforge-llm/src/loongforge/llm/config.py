@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
+from loongforge.core.foundation.lora import LoRAConfig
 from loongforge.core.foundation.spec import ModelConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -31,6 +32,7 @@ class RunSections:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ops: dict = field(default_factory=dict)  # op name -> implementation, e.g. {rms_norm: reference}
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: train LoRA adapters on a frozen checkpoint.load
 
 
 @dataclass

@@ -14,7 +14,9 @@ import torch
 from loongforge.core.checkpoint import CheckpointDir, find_checkpoint, load_megatron, read_manifest, save_megatron, verify_files
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
-from loongforge.core.foundation.model import CausalLM
+from loongforge.core.foundation.hf_mapping import hf_to_lf as hf_to_lf_state
+from loongforge.core.foundation.lora import LoRAConfig, is_adapter_key
+from loongforge.core.foundation.model import CausalLM, load_lf_state
 from loongforge.core.foundation.spec import ModelConfig
 from loongforge.core.registry import registry
 
@@ -37,9 +39,17 @@ def model_config_from_manifest(manifest: dict) -> ModelConfig:
     return ModelConfig(**manifest["config"]["model"])
 
 
-def load_model(path) -> CausalLM:
+def lora_config_from_manifest(manifest: dict) -> LoRAConfig | None:
+    lora = LoRAConfig(**manifest["config"].get("lora", {}))
+    return lora if lora.enabled else None
+
+
+def load_model(path, base=None) -> CausalLM:
     """An HF directory or a LoongForge checkpoint (run dir, checkpoints dir or step dir) as a
-    CPU fp32 `CausalLM` in eval mode: `model(input_ids)` -> logits [batch, seq, vocab]."""
+    CPU fp32 `CausalLM` in eval mode: `model(input_ids)` -> logits [batch, seq, vocab].
+
+    A LoRA checkpoint holds only adapters: its base weights come from `base`, by default the
+    `checkpoint.load` it was trained from."""
     ctx = _single_process_ctx()
     if hf_io.is_hf_dir(path):
         return CausalLM.from_hf(path, families(), ctx).eval()
@@ -48,8 +58,23 @@ def load_model(path) -> CausalLM:
         raise UserError(f"{path}: neither an HF model directory nor a LoongForge checkpoint")
     m = verify_files(step)
     cfg = model_config_from_manifest(m)
-    model = CausalLM.build(registry().get("family", cfg.family), cfg, ctx)
-    load_megatron(step, model.gpt)
+    lora = lora_config_from_manifest(m)
+    model = CausalLM.build(registry().get("family", cfg.family), cfg, ctx, lora=lora)
+    if lora is None:
+        load_megatron(step, model.gpt)
+        return model.eval()
+    base = base or m["config"]["checkpoint"]["load"]
+    if not base or not Path(base).exists():
+        raise UserError(f"{step} holds LoRA adapters only; its base model {base!r} is not there: pass --base /path/to/base")
+    if hf_io.is_hf_dir(base):
+        load_lf_state(model.gpt, hf_to_lf_state(model.family.mapping, hf_io.load_hf_state(base), model.cfg))
+    else:
+        base_step = find_checkpoint(base)
+        if base_step is None:
+            raise UserError(f"base model {base}: neither an HF model directory nor a LoongForge checkpoint")
+        verify_files(base_step)
+        load_megatron(base_step, model.gpt, select=lambda k: not is_adapter_key(k))
+    load_megatron(step, model.gpt, select=is_adapter_key)
     return model.eval()
 
 
@@ -112,14 +137,11 @@ def hf_to_lf(hf_dir, out_dir) -> Path:
     return step
 
 
-def lf_to_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32) -> Path:
-    step = find_checkpoint(ckpt)
-    if step is None:
-        raise UserError(f"{ckpt}: not a LoongForge checkpoint (no manifest.json or latest)")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out}: output directory exists and is not empty; choose a new one")
-    model = load_model(step)
+def lf_to_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32, base=None) -> Path:
+    """An HF model directory from a checkpoint (LoRA adapters merged into the base weights)."""
+    step = _existing_step(ckpt)
+    out = _new_output_dir(out_dir)
+    model = load_model(step, base)
     tok_dir = tokenizer_dir_for(step)
     extra = {}
     if tok_dir is not None:
@@ -130,6 +152,34 @@ def lf_to_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32) -> Path:
     model.save_hf(out, dtype=dtype, extra_config=extra)
     if tok_dir is not None:
         copy_tokenizer(tok_dir, out)
+    return out
+
+
+def lf_to_peft(ckpt, out_dir, base=None) -> Path:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory (with the tokenizer)."""
+    step = _existing_step(ckpt)
+    out = _new_output_dir(out_dir)
+    if lora_config_from_manifest(read_manifest(step)) is None:
+        raise UserError(f"{step} has no LoRA adapters (trained with lora.rank=0); use lf-to-hf")
+    model = load_model(step, base)
+    model.save_peft(out, base or read_manifest(step)["config"]["checkpoint"]["load"])
+    tok_dir = tokenizer_dir_for(step)
+    if tok_dir is not None:
+        copy_tokenizer(tok_dir, out)
+    return out
+
+
+def _existing_step(ckpt) -> Path:
+    step = find_checkpoint(ckpt)
+    if step is None:
+        raise UserError(f"{ckpt}: not a LoongForge checkpoint (no manifest.json or latest)")
+    return step
+
+
+def _new_output_dir(out_dir) -> Path:
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out}: output directory exists and is not empty; choose a new one")
     return out
 
 

@@ -16,6 +16,7 @@ from loongforge.core.checkpoint import find_checkpoint, load_megatron, read_mani
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf as map_hf_to_lf
+from loongforge.core.foundation.lora import is_adapter_key
 from loongforge.core.foundation.model import load_lf_state
 from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
 from loongforge.core.ops import OpTable
@@ -23,7 +24,7 @@ from loongforge.core.parallel import init_parallel, on_rank0
 from loongforge.core.registry import registry
 from loongforge.core.train.trainer import Trainer, TrainHooks, fingerprint, move_aside, prepare_run_dir
 from loongforge.llm import data as text_data
-from loongforge.llm.model_io import copy_tokenizer, lf_to_hf, model_config_from_manifest, run_converter_subprocess
+from loongforge.llm.model_io import copy_tokenizer, lf_to_hf, lf_to_peft, model_config_from_manifest, run_converter_subprocess
 from loongforge.llm.tokenizer import load_tokenizer, resolve_tokenizer_path
 
 
@@ -56,13 +57,17 @@ def validate(cfg, mcfg: ModelConfig, tok, world: int) -> None:
         raise UserError(f"tokenizer has {len(tok)} tokens but model.vocab_size is {mcfg.vocab_size}; raise model.vocab_size or use a matching tokenizer")
     if cfg.data.seq_length > mcfg.max_position_embeddings:
         raise UserError(f"data.seq_length={cfg.data.seq_length} exceeds model.max_position_embeddings={mcfg.max_position_embeddings}")
+    cfg.lora.validate()
+    if cfg.lora.enabled and not cfg.checkpoint.load:
+        raise UserError("lora.rank > 0 trains adapters on frozen weights: set checkpoint.load to the base model (HF directory or LoongForge checkpoint)")
 
 
 def run_identity(cfg, mcfg: ModelConfig) -> str:
     t = dataclasses.asdict(cfg.train)
     for k in ("train_iters", "log_interval", "eval_interval", "eval_iters", "save_interval", "max_bad_steps", "recompute"):
         t.pop(k)
-    return fingerprint({"model": dataclasses.asdict(mcfg), "data": dataclasses.asdict(cfg.data), "train": t, "load": cfg.checkpoint.load})
+    return fingerprint({"model": dataclasses.asdict(mcfg), "data": dataclasses.asdict(cfg.data), "train": t, "load": cfg.checkpoint.load,
+                        "lora": dataclasses.asdict(cfg.lora)})
 
 
 def check_same_model(saved: ModelConfig, wanted: ModelConfig, where: Path) -> None:
@@ -164,10 +169,13 @@ def train(cfg, make_data: Callable) -> dict:
     data = make_data(cfg, tok, ctx, run_dir, device)
     t = cfg.train
 
+    lora = cfg.lora if cfg.lora.enabled else None
+
     def build():
-        return build_gpt_model(mcfg, ctx, ops, recompute=t.recompute).to(device)
+        return build_gpt_model(mcfg, ctx, ops, recompute=t.recompute, lora=lora).to(device)
 
     def initial_weights(model):
+        """The starting weights (for LoRA: the frozen base, which its checkpoints do not hold)."""
         if source is None:
             return
         src = cfg.checkpoint.load
@@ -187,11 +195,14 @@ def train(cfg, make_data: Callable) -> dict:
             src = tmp
         step = find_checkpoint(src)
         on_rank0(lambda: verify_files(step))
-        load_megatron(step, model)
+        load_megatron(step, model, select=lambda k: not is_adapter_key(k))
 
     def on_saved(step_dir: Path, final: bool):
         if final and cfg.checkpoint.export_hf:
-            export_hf(step_dir, run_dir / "hf", in_process=dist.get_world_size() == 1)
+            single = dist.get_world_size() == 1
+            export_hf(step_dir, run_dir / "hf", in_process=single)
+            if lora is not None:
+                export_hf(step_dir, run_dir / "hf_adapter", in_process=single, direction="lf-to-peft")
 
     hooks = TrainHooks(
         build=build,
@@ -199,10 +210,11 @@ def train(cfg, make_data: Callable) -> dict:
         loss_fn=data.loss_fn,
         act_shape=(cfg.data.seq_length, data.micro_batch_rows, mcfg.hidden_size),
         tokens_per_step=data.tokens_per_step,
-        flops_per_token=mcfg.flops_per_token(cfg.data.seq_length),
+        flops_per_token=mcfg.flops_per_token(cfg.data.seq_length, frozen_weights=lora is not None),
         eval_batches=data.eval_batches,
         initial_weights=initial_weights,
         on_saved=on_saved,
+        save_trainable_only=lora is not None,
     )
     run_config = dataclasses.asdict(cfg)
     run_config["model"] = dataclasses.asdict(mcfg)
@@ -210,16 +222,17 @@ def train(cfg, make_data: Callable) -> dict:
     return trainer.run(resume_from)
 
 
-def export_hf(step_dir: Path, out: Path, in_process: bool) -> None:
-    """Write `out` (an HF directory) from a checkpoint; a previous export there is replaced only
-    once the new one is complete."""
+def export_hf(step_dir: Path, out: Path, in_process: bool, direction: str = "lf-to-hf") -> None:
+    """Write `out` from a checkpoint: an HF model directory (LoRA merged in), or with
+    direction="lf-to-peft" the LoRA adapter in PEFT's format. A previous export there is
+    replaced only once the new one is complete."""
     new = out.with_name(out.name + ".new")
     shutil.rmtree(new, ignore_errors=True)
     if in_process:
-        lf_to_hf(step_dir, new)
+        (lf_to_hf if direction == "lf-to-hf" else lf_to_peft)(step_dir, new)
     else:
-        run_converter_subprocess("lf-to-hf", step_dir, new)
+        run_converter_subprocess(direction, step_dir, new)
     if out.exists():
         shutil.rmtree(out)
     new.rename(out)
-    print(f"exported HF model to {out}", flush=True)
+    print(f"exported {'HF model' if direction == 'lf-to-hf' else 'PEFT adapter'} to {out}", flush=True)

@@ -105,34 +105,80 @@ def load_hf_state(hf_dir) -> dict:
     return state
 
 
-def save_hf(out_dir, fam: FamilySpec, cfg: ModelConfig, hf_state: dict, dtype=torch.float32, extra_config: dict | None = None) -> None:
-    """Write config.json and safetensors shards (with an index when more than one) into a fresh
-    directory; files land in a temporary sibling first, then the directory is renamed into place."""
-    from safetensors.torch import save_file
-
+def _write_new_dir(out_dir, write) -> None:
+    """Run `write(tmp)` in a temporary sibling of `out_dir`, then rename it into place; never
+    touches an existing non-empty directory."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out}: output directory exists and is not empty; choose a new one")
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=False)
-    shards, cur, size = [], {}, 0
-    for k, v in hf_state.items():
-        v = v.to(dtype).contiguous()
-        if cur and size + v.numel() * v.element_size() > SHARD_BYTES:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[k] = v
-        size += v.numel() * v.element_size()
-    shards.append(cur)
-    weight_map = {}
-    for n, shard in enumerate(shards):
-        name = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(tmp / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    if len(shards) > 1:
-        total = sum(v.numel() * v.element_size() for s in shards for v in s.values())
-        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (tmp / "config.json").write_text(json.dumps(hf_config_dict(fam, cfg, dtype, extra_config), indent=2))
+    write(tmp)
     if out.exists():
         out.rmdir()
     tmp.rename(out)
+
+
+def save_hf(out_dir, fam: FamilySpec, cfg: ModelConfig, hf_state: dict, dtype=torch.float32, extra_config: dict | None = None) -> None:
+    """Write config.json and safetensors shards (with an index when more than one) into a fresh
+    directory; files land in a temporary sibling first, then the directory is renamed into place."""
+    from safetensors.torch import save_file
+
+    def write(tmp: Path):
+        shards, cur, size = [], {}, 0
+        for k, v in hf_state.items():
+            v = v.to(dtype).contiguous()
+            if cur and size + v.numel() * v.element_size() > SHARD_BYTES:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[k] = v
+            size += v.numel() * v.element_size()
+        shards.append(cur)
+        weight_map = {}
+        for n, shard in enumerate(shards):
+            name = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        if len(shards) > 1:
+            total = sum(v.numel() * v.element_size() for s in shards for v in s.values())
+            (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(fam, cfg, dtype, extra_config), indent=2))
+
+    _write_new_dir(out_dir, write)
+
+
+def save_peft(out_dir, lora, tensors: dict, modules: list[str], num_layers: int, base_model_name_or_path: str | None = None) -> None:
+    """A PEFT LoRA adapter directory: `peft.PeftModel.from_pretrained(base, out_dir)` loads it.
+    `target_modules` is the list of HF linear names when every layer carries the same ones, else
+    a regex naming exactly the modules that have adapters."""
+    import re
+
+    from safetensors.torch import save_file
+
+    per_layer = {m.split(".", 3)[3] for m in modules}  # e.g. self_attn.q_proj
+    every = {f"model.layers.{i}.{p}" for i in range(num_layers) for p in per_layer}
+    if set(modules) == every:
+        target = sorted(p.rsplit(".", 1)[1] for p in per_layer)
+    else:
+        target = "^(" + "|".join(re.escape(m) for m in sorted(modules)) + ")$"
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "use_rslora": lora.rslora,
+        "target_modules": target,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }
+
+    def write(tmp: Path):
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+    _write_new_dir(out_dir, write)

@@ -83,14 +83,37 @@ def lf_to_hf(table, lf_state: dict, cfg) -> dict:
                 if row.optional:
                     continue
                 raise UserError(f"checkpoint lacks tensor {lf_name!r}")
-            t = lf_state[lf_name]
-            if row.transform == "qkv":
-                parts = _qkv_split(t, cfg.num_query_groups, cfg.num_attention_heads, cfg.kv_channels)
-            elif row.transform == "concat":
-                parts = torch.chunk(t, len(hf_names), dim=0)
-            else:
-                parts = (t,)
-            for h, p in zip(hf_names, parts):
+            for h, p in zip(hf_names, _split(row, lf_state[lf_name], cfg)):
                 out[h] = p.detach().clone().contiguous()
     return out
+
+
+def _split(row: Row, t: torch.Tensor, cfg) -> tuple:
+    """One LoongForge tensor (or anything laid out like it along dim 0) -> its HF parts."""
+    if row.transform == "qkv":
+        return _qkv_split(t, cfg.num_query_groups, cfg.num_attention_heads, cfg.kv_channels)
+    if row.transform == "concat":
+        return torch.chunk(t, len(row.hf), dim=0)
+    return (t,)
+
+
+def lora_to_peft(table, lf_state: dict, cfg) -> tuple[dict, list[str]]:
+    """LoRA adapters of a TP=1 LoongForge state dict -> PEFT tensors, and the HF module names
+    that carry them. A fused linear's A serves each of its HF parts; its B splits like the weight
+    (so `B_q A` is exactly the q rows of the fused update)."""
+    out, modules = {}, []
+    for row in table:
+        if not row.lf.endswith(".weight"):
+            continue
+        for lf_name, hf_names in _expand(row, cfg.num_layers):
+            base = lf_name.removesuffix("weight")
+            if base + "lora_a" not in lf_state:
+                continue
+            a = lf_state[base + "lora_a"]
+            for h, b in zip(hf_names, _split(row, lf_state[base + "lora_b"], cfg)):
+                mod = h.removesuffix(".weight")
+                out[f"base_model.model.{mod}.lora_A.weight"] = a.detach().clone().contiguous()
+                out[f"base_model.model.{mod}.lora_B.weight"] = b.detach().clone().contiguous()
+                modules.append(mod)
+    return out, modules
 

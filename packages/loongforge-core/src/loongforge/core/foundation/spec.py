@@ -50,11 +50,13 @@ class ModelConfig:
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
-    def flops_per_token(self, seq: int) -> float:
+    def flops_per_token(self, seq: int, frozen_weights: bool = False) -> float:
         """Training FLOPs per token, forward + backward, no recompute: 6 * params (all of them,
         embeddings included) + causal-agnostic attention 12 * layers * (heads * head_dim) * seq.
-        The convention of the project's H200 baselines (shared/notes/h200-baselines.md)."""
-        return 6.0 * self.num_params() + 12.0 * self.num_layers * self.num_attention_heads * self.kv_channels * seq
+        The convention of the project's H200 baselines (shared/notes/h200-baselines.md).
+        `frozen_weights` (LoRA): no weight gradients, 4 * params (adapters not counted)."""
+        per_param = 4.0 if frozen_weights else 6.0
+        return per_param * self.num_params() + 12.0 * self.num_layers * self.num_attention_heads * self.kv_channels * seq
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,11 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.d
     return TransformerConfig(**kw)
 
 
-def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None):
-    """megatron-core block spec for one pipeline stage of `num_layers` layers: megatron's parallel
-    linears, attention block and MLP block; every norm (the final one too), the rotary attention
-    core and the SwiGLU activation compute through the op table."""
+def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, lora=None, first_layer: int = 0):
+    """megatron-core block spec for one pipeline stage of `num_layers` layers (global indices
+    from `first_layer`): megatron's parallel linears, attention block and MLP block; every norm
+    (the final one too), the rotary attention core and the SwiGLU activation compute through the
+    op table. Linears that `lora` (a LoRAConfig) targets get their LoRA class."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
@@ -130,43 +133,51 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None):
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
     from loongforge.core.foundation.layers import RMSNorm, RotarySDPAttention, swiglu_mlp_class
+    from loongforge.core.foundation.lora import linear_spec
 
     rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
     inv_freq = rope_inv_freq(rotary_dim, cfg.rope_theta, cfg.rope_scaling)
     norm = ModuleSpec(module=RMSNorm, params={"ops": ops})
     qk_norm = norm if cfg.qk_norm else IdentityOp
-    layer = ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(module=RotarySDPAttention, params={"ops": ops, "inv_freq": inv_freq}),
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
+
+    def layer(i: int):
+        def linear(name, base):
+            return linear_spec(lora, f"decoder.layers.{i}.{name}", base)
+
+        return ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=norm,
+                self_attention=ModuleSpec(
+                    module=SelfAttention,
+                    params={"attn_mask_type": AttnMaskType.causal},
+                    submodules=SelfAttentionSubmodules(
+                        linear_qkv=linear("self_attention.linear_qkv", ColumnParallelLinear),
+                        core_attention=ModuleSpec(module=RotarySDPAttention, params={"ops": ops, "inv_freq": inv_freq}),
+                        linear_proj=linear("self_attention.linear_proj", RowParallelLinear),
+                        q_layernorm=qk_norm,
+                        k_layernorm=qk_norm,
+                    ),
                 ),
+                self_attn_bda=get_bias_dropout_add,
+                pre_mlp_layernorm=norm,
+                mlp=ModuleSpec(
+                    module=swiglu_mlp_class(),
+                    # megatron passes its TP group only to modules that are exactly its MLP class
+                    params={"ops": ops, "tp_group": tp_group},
+                    submodules=MLPSubmodules(linear_fc1=linear("mlp.linear_fc1", ColumnParallelLinear), linear_fc2=linear("mlp.linear_fc2", RowParallelLinear)),
+                ),
+                mlp_bda=get_bias_dropout_add,
             ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(
-                module=swiglu_mlp_class(),
-                # megatron passes its TP group only to modules that are exactly its MLP class
-                params={"ops": ops, "tp_group": tp_group},
-                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            ),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
-    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm))
+        )
+
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer(first_layer + j) for j in range(num_layers)], layer_norm=norm))
 
 
-def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dtype=torch.float32, recompute: bool = False):
+def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dtype=torch.float32, recompute: bool = False, lora=None):
     """Build this rank's pipeline stage of the model on the CPU (megatron's CPU init makes the
-    weights independent of the TP layout); the caller moves it to the device."""
+    weights independent of the TP layout); the caller moves it to the device. With `lora` (an
+    enabled LoRAConfig) the targeted linears carry adapters and everything else is frozen."""
     from megatron.core.models.gpt import GPTModel
 
     if cfg.num_layers % ctx.pp_size:
@@ -175,9 +186,10 @@ def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dt
         if n % ctx.tp_size:
             raise UserError(f"model.{name}={n} must be divisible by tensor_model_parallel_size={ctx.tp_size}")
     ops = ops or OpTable()
+    per_stage = cfg.num_layers // ctx.pp_size
     model = GPTModel(
         config=transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute),
-        transformer_layer_spec=block_spec(cfg, ops, cfg.num_layers // ctx.pp_size, ctx.tp_group),
+        transformer_layer_spec=block_spec(cfg, ops, per_stage, ctx.tp_group, lora, ctx.pp_rank * per_stage),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=ctx.is_first_stage,
@@ -187,4 +199,8 @@ def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dt
         position_embedding_type="none",
         pg_collection=ctx.pg_collection(),
     )
+    if lora is not None and lora.enabled:
+        from loongforge.core.foundation.lora import freeze_base
+
+        freeze_base(model)
     return model

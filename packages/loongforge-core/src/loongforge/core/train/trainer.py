@@ -40,6 +40,9 @@ class TrainHooks:
     eval_batches: Optional[Callable[[], Iterable[list[dict]]]] = None
     initial_weights: Optional[Callable[[torch.nn.Module], None]] = None  # run unless resuming
     on_saved: Optional[Callable[[Path, bool], None]] = None  # (step dir, final) on rank 0
+    # Checkpoints hold only the trainable tensors (LoRA adapters); the frozen rest comes from
+    # `initial_weights`, which then runs on resume too.
+    save_trainable_only: bool = False
 
 
 def fingerprint(run_identity: dict) -> str:
@@ -76,6 +79,12 @@ class Trainer:
         self.run_dir = Path(ckpt_cfg.run_dir)
         self.rank0 = dist.get_rank() == 0
         self._stop_signal: int | None = None
+        self._select = None
+
+    def _trainable_names(self, model) -> None:
+        if self.hooks.save_trainable_only:
+            names = {n for n, p in model.named_parameters() if p.requires_grad}
+            self._select = names.__contains__
 
     # ---- setup -------------------------------------------------------------------------
     def _optimizer(self, model):
@@ -133,7 +142,7 @@ class Trainer:
         if self.rank0:
             ckdir.begin(step)
         dist.barrier()
-        save_megatron(tmp, model, optimizer)
+        save_megatron(tmp, model, optimizer, self._select)
         dist.barrier()
         path = ckdir.root / ckdir.step_name(step)
 
@@ -145,6 +154,7 @@ class Trainer:
                 "trainer": state,
                 "rng": {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in self.acc.rng_state().items()},
                 "torch_version": torch.__version__,
+                "trainable_only": self.hooks.save_trainable_only,
             }
             final_dir = ckdir.commit(tmp, step, manifest, self.ckpt_cfg.keep_last)
             if self.hooks.on_saved is not None:
@@ -157,7 +167,7 @@ class Trainer:
         on_rank0(lambda: verify_files(step_dir))
         m = read_manifest(step_dir)
         state = m["trainer"]
-        load_megatron(step_dir, model, optimizer, optimizer_steps=state["optimizer_steps"])
+        load_megatron(step_dir, model, optimizer, optimizer_steps=state["optimizer_steps"], select=self._select)
         rng = {k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8) for k, v in m["rng"].items()}
         self.acc.set_rng_state({k: v for k, v in rng.items() if k == "cpu" or self.acc.device_type == "cuda"})
         return state
@@ -199,9 +209,12 @@ class Trainer:
         cfg = self.cfg
         self.acc.manual_seed(cfg.seed)
         model = self.hooks.build()
+        self._trainable_names(model)
         optimizer = self._optimizer(model)
         state = {"step": 0, "optimizer_steps": 0, "consumed_samples": 0, "bad_steps": 0}
         if resume_from is not None:
+            if self.hooks.save_trainable_only and self.hooks.initial_weights is not None:
+                self.hooks.initial_weights(model)
             state = self.load(model, optimizer, resume_from)
             if self.rank0:
                 print(f"resumed from {resume_from} at step {state['step']}", flush=True)
