@@ -75,3 +75,54 @@ def test_template_errors(tok):
         SFTTokenizer(tok)
     with pytest.raises(UserError, match="unknown chat template 'chatml2'"):
         SFTTokenizer(tok, template="chatml2")
+
+
+TOOL_ROW = {"messages": [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "2", "content": "warm"},
+    {"role": "assistant", "content": "It is sunny."},
+]}
+# The published chat formats of Qwen2.5 (tool calls in <tool_call>, results grouped in one user
+# turn) and Llama 3.1 (JSON call with "parameters", results as ipython), written out by hand.
+EXPECTED = {
+    "qwen2": (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwarm\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nIt is sunny.<|im_end|>\n",
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>It is sunny.<|im_end|>",
+    ),
+    "llama3": (
+        "<|endoftext|><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+        "weather in Paris?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|>"
+        "<|start_header_id|>ipython<|end_header_id|>\n\nwarm<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nIt is sunny.<|eot_id|>",
+        "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}<|eot_id|>It is sunny.<|eot_id|>",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_builtin_templates_render_tool_calls_exactly(tok, name):
+    st = SFTTokenizer(tok, template=name)
+    msgs = to_messages(TOOL_ROW, "openai")
+    text, trained = EXPECTED[name]
+    assert tok.apply_chat_template(msgs, chat_template=st.template, tokenize=False) == text
+    assert _trained_text(tok, st(msgs)) == trained
+
+
+def test_bad_tool_calls_are_counted(tok):
+    bad = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]}
+    st = SFTTokenizer(tok, template="qwen2")
+    assert list(st.tokenize_rows([bad, TOOL_ROW], "openai")) and st.stats == {"bad_tool_call": 1, "kept": 1}
+
+
+def test_append_eos_is_trained(tok):
+    msgs = to_messages({"instruction": "hi", "output": "hello"}, "alpaca")
+    plain = SFTTokenizer(tok, template="qwen2")(msgs)
+    eos = SFTTokenizer(tok, template="qwen2", append_eos=True)(msgs)
+    assert eos["input_ids"] == plain["input_ids"] + [tok.eos_token_id]
+    assert eos["labels"][-1] == tok.eos_token_id

@@ -91,3 +91,71 @@ def test_bad_rows_are_counted_and_all_masked_is_an_error(rows_file, tmp_path):
     assert r.returncode == 2 and "all labels masked" in r.stderr
     r = run_cli(["train", "sft", *COMMON, "train.micro_batch_size=2", f"checkpoint.run_dir={tmp_path / 'd'}"])
     assert r.returncode == 2 and "train.micro_batch_size=1" in r.stderr
+
+
+def test_prepacked_equals_in_memory(packed, rows_file, hf_llama4, tmp_path):
+    out = tmp_path / "packed_data"
+    r = run_cli(["preprocess", "--sft", "--input", str(rows_file), "--format", "alpaca", "--tokenizer", "tiny", "--template", "qwen2",
+                 "--seq-length", "128", "--output-dir", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    n = _num_packs(rows_file)
+    assert info["samples"] == len(ROWS) and info["packs"] == n and 0 < info["packing_efficiency"] <= 1
+    run = tmp_path / "run"
+    r = _sft(rows_file, run, hf_llama4, f"data.prepacked={out}", "data.datasets=[]", "train.micro_batch_size=1", f"train.global_batch_size={n}",
+             "train.train_iters=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = losses(run)
+    for step in (1, 2, 3):
+        assert abs(got[step] - packed[step]) <= 1e-6 * packed[step], (step, got[step], packed[step])
+    # the prepacked directory is for one seq_length; an existing output directory is never overwritten
+    r = _sft(rows_file, tmp_path / "r2", hf_llama4, f"data.prepacked={out}", "data.seq_length=64")
+    assert r.returncode == 2 and "packed for seq_length=128" in r.stderr
+    before = sorted(p.name for p in out.iterdir())
+    r = run_cli(["preprocess", "--sft", "--input", str(rows_file), "--tokenizer", "tiny", "--template", "qwen2", "--output-dir", str(out)])
+    assert r.returncode == 2 and "not empty" in r.stderr and sorted(p.name for p in out.iterdir()) == before
+
+
+def test_sample_normalization_packed_equals_unpacked(packed, rows_file, hf_llama4, tmp_path):
+    n = _num_packs(rows_file)
+    a = _sft(rows_file, tmp_path / "a", hf_llama4, "data.loss_normalization=sample", "data.packing=true", "train.micro_batch_size=1",
+             f"train.global_batch_size={n}", "train.train_iters=2")
+    b = _sft(rows_file, tmp_path / "b", hf_llama4, "data.loss_normalization=sample", "data.packing=false", "train.micro_batch_size=2",
+             f"train.global_batch_size={len(ROWS)}", "train.train_iters=2")
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
+    pa, pb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    for step in (1, 2):
+        assert abs(pa[step] - pb[step]) <= 1e-5 * pb[step], (step, pa[step], pb[step])
+    assert pa[2] < pa[1]
+
+
+def test_per_sample_mask_weighs_samples_equally():
+    import torch
+
+    from loongforge.core.data import pack_samples
+    from loongforge.llm.sft.recipe import per_sample_mask
+
+    s = [{"tokens": torch.arange(n), "labels": torch.arange(n), "loss_mask": torch.tensor(m, dtype=torch.float32)}
+         for n, m in ((3, [0, 1, 1]), (5, [0, 0, 1, 1, 1]), (2, [0, 0]))]
+    pack = pack_samples(s, [0, 1, 2], 12, pad_id=0)
+    mask = per_sample_mask(pack)[0]
+    assert torch.allclose(mask, torch.tensor([0, 0.5, 0.5, 0, 0, 1 / 3, 1 / 3, 1 / 3, 0, 0, 0, 0]))
+
+
+def test_streaming_trains_and_resumes_exactly(rows_file, hf_llama4, tmp_path):
+    args = ["data.streaming=true", "data.stream_buffer=6", "train.micro_batch_size=1", "train.global_batch_size=2"]
+    r = _sft(rows_file, tmp_path / "full", hf_llama4, *args, "train.train_iters=6")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "streaming" in r.stdout
+    full = losses(tmp_path / "full")
+    assert full[6] < full[1]
+    for iters in (3, 6):
+        r = _sft(rows_file, tmp_path / "cut", hf_llama4, *args, f"train.train_iters={iters}")
+        assert r.returncode == 0, r.stderr[-3000:]
+    cut = losses(tmp_path / "cut")
+    for step in (4, 5, 6):
+        assert abs(cut[step] - full[step]) <= 1e-6 * full[step], (step, cut[step], full[step])
+    g = tmp_path / "none.jsonl"
+    g.write_text(json.dumps({"instruction": "x"}) + "\n")
+    r = run_cli(["train", "sft", *COMMON, f"data.datasets=[{{path: {g}, format: alpaca}}]", *args, f"checkpoint.run_dir={tmp_path / 'c'}"])
+    assert r.returncode == 2 and "no usable rows" in r.stderr, r.stderr[-2000:]

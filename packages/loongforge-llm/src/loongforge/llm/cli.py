@@ -23,6 +23,12 @@ EXAMPLES = """examples:
   loongforge-llm generate runs/t --prompt "Ada gave the" --max-new-tokens 8
 Errors you can fix print one line and exit 2; add --debug for the traceback."""
 
+PREPROCESS_EXAMPLES = """examples:
+  loongforge-llm preprocess --input corpus.jsonl --tokenizer /models/Llama-3.2-1B --output-prefix data/corpus --workers 8
+  loongforge-llm preprocess --sft --input chats.jsonl --format openai --tokenizer /models/Qwen3-8B --template qwen3 \\
+      --seq-length 8192 --output-dir data/chats-8k
+  loongforge-llm train sft data.prepacked=data/chats-8k data.tokenizer=/models/Qwen3-8B data.seq_length=8192 checkpoint.load=/models/Qwen3-8B"""
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loongforge-llm", description="LLM training with LoongForge.", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,12 +36,26 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a YAML config", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="YAML file, or the name of a shipped config (tiny)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=3e-4")
-    pp = sub.add_parser("preprocess", help="tokenize text into megatron .bin/.idx", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pp.add_argument("--input", nargs="+", required=True, help="jsonl/json/parquet/arrow/csv/txt files or directories")
+    pp = sub.add_parser("preprocess", help="pretraining text -> megatron .bin/.idx; --sft: conversations -> packed parquet",
+                        epilog=PREPROCESS_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pp.add_argument("--input", nargs="+", required=True, help="jsonl/json/parquet/arrow/csv/txt files or directories (--sft: one file or directory)")
     pp.add_argument("--tokenizer", required=True, help="HF tokenizer directory, or 'tiny'")
-    pp.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    pp.add_argument("--output-prefix", help="pretraining: writes PREFIX.bin and PREFIX.idx")
     pp.add_argument("--text-key", default="text")
     pp.add_argument("--workers", type=int, default=1)
+    sft = pp.add_argument_group("SFT (--sft): chat template, loss mask and packing, as the sft recipe's data section")
+    sft.add_argument("--sft", action="store_true", help="tokenize conversations with a chat template and pack them into --output-dir")
+    sft.add_argument("--output-dir", help="--sft: a new directory for the parquet shards (train with data.prepacked=DIR)")
+    sft.add_argument("--format", default="alpaca", help="alpaca | sharegpt | openai")
+    sft.add_argument("--keys", default="{}", help='field-name overrides as JSON, e.g. \'{"messages": "chat"}\'')
+    sft.add_argument("--template", default=None, help="built-in chat template (qwen2, qwen3, qwen3_thinking, llama3); default: the tokenizer's own")
+    sft.add_argument("--seq-length", type=int, default=4096)
+    sft.add_argument("--no-packing", action="store_true", help="one padded sample per row")
+    sft.add_argument("--train-on-prompt", action="store_true")
+    sft.add_argument("--last-turn-only", action="store_true")
+    sft.add_argument("--append-eos", action="store_true")
+    sft.add_argument("--on-bad-sample", default="skip", choices=["skip", "error"])
+    sft.add_argument("--seed", type=int, default=1234, help="order of the samples before packing")
     c = sub.add_parser("convert", help="HF <-> LoongForge checkpoints", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("direction", choices=["hf-to-lf", "lf-to-hf", "lf-to-peft"])
     c.add_argument("src")
@@ -73,9 +93,14 @@ def main(argv: list[str]) -> int:
             print(f"done: step {state['step']}, run dir {cfg.checkpoint.run_dir}")
         return 0
     if args.cmd == "preprocess":
-        from loongforge.llm.data import preprocess
         from loongforge.llm.tokenizer import load_tokenizer
 
+        if args.sft:
+            return preprocess_sft(args)
+        from loongforge.llm.data import preprocess
+
+        if not args.output_prefix:
+            raise UserError("preprocess needs --output-prefix (or --sft with --output-dir)")
         if args.workers < 1:
             raise UserError("--workers must be at least 1")
         info = preprocess(args.input, load_tokenizer(args.tokenizer), args.output_prefix, args.text_key, args.workers)
@@ -98,6 +123,30 @@ def main(argv: list[str]) -> int:
     if args.cmd == "generate":
         return generate(args)
     return 2
+
+
+def preprocess_sft(args) -> int:
+    from loongforge.llm.config import SFTDataConfig, SFTDatasetConfig
+    from loongforge.llm.sft.recipe import write_prepacked
+    from loongforge.llm.tokenizer import load_tokenizer
+
+    if not args.output_dir:
+        raise UserError("preprocess --sft needs --output-dir")
+    if len(args.input) != 1:
+        raise UserError("preprocess --sft takes one --input (a file, or a directory of shards)")
+    if args.seq_length < 2:
+        raise UserError(f"--seq-length={args.seq_length} is too short")
+    try:
+        keys = json.loads(args.keys)
+    except json.JSONDecodeError:
+        raise UserError(f"--keys is not a JSON object: {args.keys}") from None
+    d = SFTDataConfig(
+        datasets=[SFTDatasetConfig(path=args.input[0], format=args.format, keys=keys)], tokenizer=args.tokenizer, template=args.template,
+        seq_length=args.seq_length, packing=not args.no_packing, train_on_prompt=args.train_on_prompt, last_turn_only=args.last_turn_only,
+        append_eos=args.append_eos, on_bad_sample=args.on_bad_sample,
+    )
+    print(json.dumps(write_prepacked(d, load_tokenizer(args.tokenizer), args.output_dir, args.seed)))
+    return 0
 
 
 def generate(args) -> int:

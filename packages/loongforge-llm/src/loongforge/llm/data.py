@@ -16,7 +16,9 @@ from loongforge.llm.tokenizer import eod_id
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".txt": "text"}
 
 
-def _load_text_dataset(inputs: list[str]):
+def _load_text_dataset(inputs: list[str], streaming: bool = False):
+    """Rows of local jsonl/json/parquet/arrow/csv/txt files or directories of them, through
+    `datasets` (memory-mapped; `streaming` reads them lazily instead)."""
     import datasets
 
     files: list[str] = []
@@ -36,7 +38,7 @@ def _load_text_dataset(inputs: list[str]):
     # Reading files shows no bars (an error right after stays one line); tokenizing shows one.
     datasets.disable_progress_bars()
     try:
-        return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
+        return datasets.load_dataset(kinds.pop(), data_files=files, split="train", streaming=streaming)
     finally:
         datasets.enable_progress_bars()
 

@@ -74,11 +74,28 @@ def openai(row: dict, keys: dict) -> list[dict]:
             raise BadSample("unknown_role", str(role))
         m: dict[str, Any] = {"role": role, "content": t.get("content") or ""}
         if t.get("tool_calls"):
-            m["tool_calls"] = t["tool_calls"]
+            m["tool_calls"] = [_tool_call(c) for c in t["tool_calls"]]
         if role == "tool" and t.get("tool_call_id"):
             m["tool_call_id"] = t["tool_call_id"]
         msgs.append(m)
     return msgs
+
+
+def _tool_call(call) -> dict:
+    """An OpenAI tool call ({"type": "function", "function": {"name", "arguments": JSON text}})
+    as chat templates take it: {"name", "arguments": dict}."""
+    import json
+
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise BadSample("bad_tool_call", "a tool call needs a function name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise BadSample("bad_tool_call", f"arguments of {fn['name']} are not JSON") from None
+    return {"name": fn["name"], "arguments": args}
 
 
 FORMATS = {"alpaca": alpaca, "sharegpt": sharegpt, "openai": openai}

@@ -14,13 +14,22 @@ from collections import Counter
 from loongforge.core.errors import UserError
 from loongforge.llm.sft.formats import BadSample
 
+# A tool call, as HF chat templates take it: {"name", "arguments"} or {"function": {...}}.
+_CALL = "{%- set c = call.function if call.function is defined else call %}"
 _IM = (
     "{%- for m in messages %}"
     "{%- if m['role'] == 'assistant' %}"
-    "<|im_start|>assistant\n{% generation %}{THINK}{{ m['content'] }}<|im_end|>{% endgeneration %}\n"
-    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif %}"
+    "<|im_start|>assistant\n{% generation %}{THINK}{{ m['content'] }}"
+    "{%- for call in m.get('tool_calls') or [] %}" + _CALL +
+    "{{ '\n' if (m['content'] or not loop.first) }}<tool_call>\n{\"name\": \"{{ c['name'] }}\", \"arguments\": {{ c['arguments'] | tojson }}}\n</tool_call>"
+    "{%- endfor %}<|im_end|>{% endgeneration %}{{ '\\n' }}"
+    "{%- elif m['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{%- endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ '\\n' }}{%- endif %}"
+    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{{ '\\n' }}{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{%- endif %}"
 )
 
 BUILTIN_TEMPLATES = {
@@ -29,14 +38,19 @@ BUILTIN_TEMPLATES = {
     "qwen3": _IM.replace("{THINK}", "<think>\n\n</think>\n\n"),
     # Qwen3 with thinking: the reasoning, when a message carries it, is trained on too.
     "qwen3_thinking": _IM.replace("{THINK}", "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"),
+    # Llama 3.1: a tool call is the assistant's JSON {"name", "parameters"}; results come back as `ipython`.
     "llama3": (
         "{{- bos_token }}"
         "{%- for m in messages %}"
         "{%- if m['role'] == 'assistant' %}"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n{% generation %}{{ m['content'] | trim }}<|eot_id|>{% endgeneration %}"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{% generation %}{{ m['content'] | trim }}"
+        "{%- for call in m.get('tool_calls') or [] %}" + _CALL +
+        "{\"name\": \"{{ c['name'] }}\", \"parameters\": {{ c['arguments'] | tojson }}}"
+        "{%- endfor %}<|eot_id|>{% endgeneration %}"
+        "{%- elif m['role'] == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
         "{%- else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{%- endif %}"
         "{%- endfor %}"
-        "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+        "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n{{ '\\n' }}{%- endif %}"
     ),
 }
 
@@ -47,10 +61,12 @@ class SFTTokenizer:
     """messages -> (input_ids, labels) with the loss only where the options say.
 
     `train_on_prompt`: loss on every token. `last_turn_only`: loss on the last assistant turn only.
+    `append_eos`: the tokenizer's EOS follows the sample (trained on) unless it already ends it.
     Over-long samples raise BadSample("over_long"); `stats` counts kept and bad rows by reason.
     """
 
-    def __init__(self, tokenizer, template: str | None = None, max_length: int = 4096, train_on_prompt: bool = False, last_turn_only: bool = False):
+    def __init__(self, tokenizer, template: str | None = None, max_length: int = 4096, train_on_prompt: bool = False, last_turn_only: bool = False,
+                 append_eos: bool = False):
         self.tok = tokenizer
         if template is not None:
             if template not in BUILTIN_TEMPLATES:
@@ -68,11 +84,17 @@ class SFTTokenizer:
         self.max_length = max_length
         self.train_on_prompt = train_on_prompt
         self.last_turn_only = last_turn_only
+        if append_eos and tokenizer.eos_token_id is None:
+            raise UserError("data.append_eos=true but the tokenizer has no EOS token")
+        self.append_eos = append_eos
         self.stats: Counter = Counter()
 
     def __call__(self, messages: list[dict]) -> dict:
         out = self.tok.apply_chat_template(messages, chat_template=self.template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        if self.append_eos and ids[-1] != self.tok.eos_token_id:
+            ids.append(self.tok.eos_token_id)
+            mask.append(1)
         if len(ids) > self.max_length:
             raise BadSample("over_long", f"{len(ids)} > {self.max_length} tokens")
         if self.train_on_prompt:
@@ -83,9 +105,9 @@ class SFTTokenizer:
         labels = [t if m else IGNORE for t, m in zip(ids, mask)]
         return {"input_ids": ids, "labels": labels}
 
-    def tokenize_rows(self, rows, fmt: str, keys: dict | None = None, on_bad_sample: str = "skip"):
+    def tokenize_rows(self, rows, fmt: str, keys: dict | None = None, on_bad_sample: str = "skip", require_trained: bool = True):
         """Yield tokenized samples; count bad rows by reason; error on the first with
-        on_bad_sample="error", and when no sample has a trained token."""
+        on_bad_sample="error", and (`require_trained`) when no sample has a trained token."""
         from loongforge.llm.sft.formats import to_messages
 
         if on_bad_sample not in ("skip", "error"):
@@ -102,5 +124,5 @@ class SFTTokenizer:
             self.stats["kept"] += 1
             trained += sum(1 for x in sample["labels"] if x != IGNORE)
             yield sample
-        if trained == 0:
+        if trained == 0 and require_trained:
             raise UserError(f"no sample has a token to train on (all labels masked); bad rows: {dict(self.stats)}")
