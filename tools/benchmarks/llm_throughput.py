@@ -12,6 +12,8 @@ Setups:
 - `loongforge trainer`: what `loongforge-llm train` runs: fp32 master weights, bf16 autocast,
   core's forward_backward, gradient clipping, fused AdamW.
 - `loongforge bf16 params`: the same model and step with bf16 parameters, as the HF baselines run.
+- `... + kernels`: the same, with the op table `loongforge-llm train` builds on a GPU when
+  loongforge-kernels is installed (Triton RMSNorm, RoPE, SwiGLU) instead of the references.
 - `hf eager` / `hf compile`: LlamaForCausalLM (sdpa), bf16 parameters, fused AdamW.
 - `megatron local spec`: megatron-core's own GPTModel with `get_gpt_layer_local_spec` (no
   transformer-engine: its unfused DotProductAttention), bf16 parameters, same step.
@@ -38,7 +40,8 @@ def parse():
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--setups", default="loongforge trainer,loongforge bf16 params,hf eager,hf compile,megatron local spec")
+    p.add_argument("--setups", default="loongforge trainer,loongforge trainer + kernels,loongforge bf16 params,loongforge bf16 params + kernels,"
+                                       "hf eager,hf compile,megatron local spec")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args()
 
@@ -57,17 +60,20 @@ def timed(step, warmup: int, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def loongforge_step(mcfg, tokens, bf16_params: bool):
+def loongforge_step(mcfg, tokens, bf16_params: bool, kernels: bool):
     from loongforge.core.accelerator import get_accelerator
     from loongforge.core.foundation.families import LLAMA
     from loongforge.core.foundation.spec import build_gpt_model
+    from loongforge.core.ops import OpTable
     from loongforge.core.parallel import init_parallel
+    from loongforge.core.registry import registry
     from loongforge.core.train.pipeline import forward_backward
 
     acc = get_accelerator("cuda")
     ctx = init_parallel(1, 1, acc.backend, acc.device_type)
     acc.manual_seed(0)
-    model = build_gpt_model(LLAMA.resolve(mcfg), ctx).cuda()
+    ops = OpTable.build(None, registry(), "cuda") if kernels else OpTable()
+    model = build_gpt_model(LLAMA.resolve(mcfg), ctx, ops).cuda()
     if bf16_params:
         model = model.bfloat16()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
@@ -155,8 +161,10 @@ def main():
     fpt = mcfg.flops_per_token(a.seq)
     peak = 989e12
     builders = {
-        "loongforge trainer": lambda: loongforge_step(mcfg, tokens, bf16_params=False),
-        "loongforge bf16 params": lambda: loongforge_step(mcfg, tokens, bf16_params=True),
+        "loongforge trainer": lambda: loongforge_step(mcfg, tokens, bf16_params=False, kernels=False),
+        "loongforge trainer + kernels": lambda: loongforge_step(mcfg, tokens, bf16_params=False, kernels=True),
+        "loongforge bf16 params": lambda: loongforge_step(mcfg, tokens, bf16_params=True, kernels=False),
+        "loongforge bf16 params + kernels": lambda: loongforge_step(mcfg, tokens, bf16_params=True, kernels=True),
         "hf eager": lambda: hf_step(mcfg, tokens, compile_=False),
         "hf compile": lambda: hf_step(mcfg, tokens, compile_=True),
         "megatron local spec": lambda: megatron_local_step(mcfg, tokens),

@@ -1,11 +1,35 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels (.whl, see docs/benchmarks.md), run the GPU tests,
-# then the LLM throughput benchmark; logs go to $OUT.
+# One device call: install the carried wheels (.whl, see docs/benchmarks.md), then run the parts
+# named in $PARTS (default: all) with their logs in $OUT:
+#   tests   GPU tests (tests/llm/test_gpu.py, tests/kernels/test_kernels_gpu.py)
+#   kernels tools/benchmarks/kernels.py
+#   sft     tools/benchmarks/sft_throughput.py
+#   llm     tools/benchmarks/llm_throughput.py
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+PARTS="${PARTS:-tests kernels sft llm}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/packages/loongforge-core/src:$PWD/packages/loongforge-llm/src PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export PYTHONPATH=/tmp/site:$PWD/packages/loongforge-core/src:$PWD/packages/loongforge-llm/src:$PWD/packages/loongforge-kernels/src
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+# entry points come from installed distributions: register the source trees' packages as such
+python3 - <<'PY'
+import pathlib, site
+root = pathlib.Path("/tmp/site")
+for name, ep in (("loongforge_core", "core = loongforge.core.plugin:register"), ("loongforge_llm", "llm = loongforge.llm.plugin:register"),
+                 ("loongforge_kernels", "kernels = loongforge.kernels.plugin:register")):
+    d = root / f"{name}-0.1.0.dist-info"
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.1.0\n")
+    (d / "entry_points.txt").write_text(f"[loongforge.plugins]\n{ep}\n")
+PY
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/llm/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-python3 tools/benchmarks/llm_throughput.py "$@" --json "$OUT/llm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/llm_throughput.log"
+python3 -c "from loongforge.core.registry import registry; print('ops:', registry().names('op'))" | tee -a "$OUT/gpu.txt"
+for part in $PARTS; do
+  case $part in
+    tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/llm/test_gpu.py tests/kernels/test_kernels_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log" ;;
+    kernels) timeout 300 python3 tools/benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | grep -v -i "warn" | tee "$OUT/kernels.log" ;;
+    sft) timeout 240 python3 tools/benchmarks/sft_throughput.py --json "$OUT/sft_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/sft_throughput.log" ;;
+    llm) timeout 400 python3 tools/benchmarks/llm_throughput.py ${LLM_ARGS:-} --json "$OUT/llm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/llm_throughput.log" ;;
+  esac
+done

@@ -1,1 +1,3 @@
-"""loongforge.kernels: Triton fused kernels registered into core's op table (placeholder: filled by a later issue)."""
+"""loongforge.kernels: Triton kernels for core's op table (RMSNorm with optional residual add,
+RoPE, SwiGLU, fused linear + cross-entropy, MoE permute/unpermute) and packed attention through
+torch's flash varlen kernel. Registered by entry point; chosen by default on CUDA devices."""

@@ -147,7 +147,7 @@ def train(cfg, make_data: Callable) -> dict:
     tok = load_tokenizer(cfg.data.tokenizer)
     mcfg, source = resolve_model_config(cfg)
     validate(cfg, mcfg, tok, dist.get_world_size())
-    ops = OpTable.build(cfg.ops, registry())
+    ops = OpTable.build(cfg.ops, registry(), acc.device_type)
     run_dir = Path(cfg.checkpoint.run_dir)
     identity = run_identity(cfg, mcfg)
     resume_from = prepare_run_dir(cfg.checkpoint, identity)

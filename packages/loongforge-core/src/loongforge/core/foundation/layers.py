@@ -83,7 +83,7 @@ class RotarySDPAttention(nn.Module):
             pos = positions_from_cu_seqlens(cu, total)
             q = self.ops.rope(q[None], pos, self.inv_freq)[0]
             k = self.ops.rope(k[None], pos, self.inv_freq)[0]
-        out = self.ops.varlen_attention(q, k, value, cu, self.softmax_scale)
+        out = self.ops.varlen_attention(q, k, value, cu, self.softmax_scale, params.max_seqlen_q)
         return out.reshape(total, -1)
 
 

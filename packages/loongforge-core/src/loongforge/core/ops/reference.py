@@ -17,6 +17,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm block's residual add fused with the next norm: (rms_norm(x + residual), x + residual)."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
 def rope_inv_freq(
     rotary_dim: int, base: float, scaling: Optional[dict] = None
 ) -> torch.Tensor:
@@ -49,8 +55,9 @@ def rope_inv_freq(
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Half-split (HF/NeoX layout) rotary embedding on the first 2*len(inv_freq) channels.
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding on the first 2*len(inv_freq) channels: half-split pairs (c, c + rot/2)
+    (HF/NeoX layout) or, with `interleaved`, adjacent pairs (2c, 2c + 1) (GPT-J/Meta layout).
 
     x: [batch, seq, heads, head_dim]; positions: [batch, seq] or [seq]. Channels past the rotary
     dimension (partial rotary) pass through unchanged. Computed in fp32.
@@ -59,13 +66,16 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
     if positions.dim() == 1:
         positions = positions.unsqueeze(0)
     freqs = positions.float().unsqueeze(-1) * inv_freq.float().to(x.device)  # [b, s, rot/2]
-    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)  # [b, s, 1, rot]
-    cos, sin = emb.cos(), emb.sin()
+    cos, sin = freqs.cos().unsqueeze(2), freqs.sin().unsqueeze(2)  # [b, s, 1, rot/2]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     xf = x_rot.float()
-    x1, x2 = xf[..., : rot // 2], xf[..., rot // 2 :]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    out = (xf * cos + rotated * sin).to(x.dtype)
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xf[..., : rot // 2], xf[..., rot // 2 :]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    out = out.to(x.dtype)
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
 
 
@@ -95,6 +105,38 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     return loss.view(labels.shape)
 
 
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor,
+    ignore_index: int = -100, label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """sum_i token_weights[i] * CE(hidden[i] @ weight.T, labels[i]): the output projection and the
+    loss in one op (fused implementations never hold all the [tokens, vocab] logits). hidden
+    [N, H], weight [V, H], labels/token_weights [N]; ignored labels contribute 0. fp32 result.
+    Label smoothing as torch: (1 - eps) * CE + eps * mean over the vocabulary of -log p."""
+    logits = (hidden @ weight.to(hidden.dtype).T).float()
+    loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    return (loss * token_weights.float()).sum()
+
+
+def moe_permute(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group a MoE layer's token copies by expert. tokens [N, H]; expert_ids [N, k] (top-k
+    choices). Returns (permuted [N*k, H] with expert 0's rows first, stably by token; row_ids
+    [N*k]: the flat (token*k + j) index of each permuted row; tokens_per_expert [num_experts])."""
+    k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)
+    row_ids = torch.sort(flat, stable=True).indices
+    return tokens[row_ids // k], row_ids, torch.bincount(flat, minlength=num_experts)
+
+
+def moe_unpermute(permuted: torch.Tensor, row_ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Inverse of moe_permute, combining each token's k expert outputs weighted by probs [N, k]:
+    out[t] = sum_j probs[t, j] * permuted[position of (t, j)]. Computed in fp32."""
+    n, k = probs.shape
+    flat = torch.empty_like(permuted, dtype=torch.float32)
+    flat[row_ids] = permuted.float()
+    return (flat.view(n, k, -1) * probs.float().unsqueeze(-1)).sum(1).to(permuted.dtype)
+
+
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position ids that restart at 0 at every packed sample: [total]."""
     idx = torch.arange(total, device=cu_seqlens.device)
@@ -104,11 +146,13 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Ten
 
 
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: Optional[float] = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: Optional[float] = None,
+    max_seqlen: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention over packed samples that never crosses a sample boundary.
 
-    q: [total, heads, head_dim], k/v: [total, kv_heads, head_dim], cu_seqlens: [n + 1] offsets.
+    q: [total, heads, head_dim], k/v: [total, kv_heads, head_dim], cu_seqlens: [n + 1] offsets,
+    max_seqlen: the longest sample (a hint for kernels that size their grid by it).
     The reference runs SDPA per sample (exact; faster kernels take the whole pack at once).
     """
     out = torch.empty_like(q)

@@ -1,0 +1,107 @@
+"""Fused output projection + cross-entropy that never holds the whole [tokens, vocab] logits.
+
+Tokens go through in chunks sized so one chunk's logits stay under LOGITS_BUDGET bytes. For each
+chunk: logits = h @ W^T (cuBLAS), then one Triton program per row makes two passes over the row
+(online max / sum-exp, then softmax minus one-hot, times the token's weight, written over the
+logits in place), then grad_h = dlogits @ W and grad_W += dlogits^T @ h. The gradients are
+finished in the forward (the loss is a weighted sum, so they are known there) and scaled by the
+incoming gradient in the backward: three matmuls in all, as in an unfused forward + backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loongforge.core.ops import reference
+
+LOGITS_BUDGET = 512 << 20
+BLOCK_V = 4096
+
+
+@triton.jit
+def _ce_rows(LOGITS, stride_l, LABELS, WEIGHTS, LOSS, V, ignore_index, smoothing, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * stride_l
+    label = tl.load(LABELS + row).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+    acc = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    zsum = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    for start in range(0, V, BLOCK_V):
+        c = start + cols
+        z = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(z, axis=0))
+        acc = acc * tl.exp(m - new_m) + tl.sum(tl.exp(z - new_m), axis=0)
+        m = new_m
+        zsum += tl.sum(tl.where(c < V, z, 0.0), axis=0)
+    lse = m + tl.log(acc)
+    valid = label != ignore_index
+    safe = tl.where(valid, label, 0)
+    zy = tl.load(base + safe).to(tl.float32)
+    loss = (1.0 - smoothing) * (lse - zy) + smoothing * (lse - zsum / V)
+    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    if HAS_GRAD:
+        w = tl.where(valid, tl.load(WEIGHTS + row).to(tl.float32), 0.0)
+        for start in range(0, V, BLOCK_V):
+            c = start + cols
+            z = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
+            g = tl.exp(z - lse) - smoothing / V - tl.where(c == safe, 1.0 - smoothing, 0.0)
+            tl.store(base + c, (g * w).to(LOGITS.dtype.element_ty), mask=c < V)
+
+
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    if h.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return h.dtype
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, token_weights, ignore_index, smoothing):
+        dt = _compute_dtype(hidden)
+        h = hidden.to(dt)
+        w = weight.to(dt)
+        n, v = h.shape[0], w.shape[0]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = want_h or want_w
+        loss = torch.empty(n, dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        tw = token_weights.to(torch.float32).contiguous()
+        lab = labels.contiguous()
+        chunk = max(1, min(n, LOGITS_BUDGET // (v * h.element_size())))
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            logits = h[a:b] @ w.T
+            _ce_rows[(b - a,)](logits, logits.stride(0), lab[a:b], tw[a:b], loss[a:b], v, ignore_index, float(smoothing),
+                               HAS_GRAD=grads, BLOCK_V=BLOCK_V, num_warps=16 if h.is_cuda else 4)
+            if want_h:
+                torch.mm(logits, w, out=grad_h[a:b])
+            if want_w:
+                if grad_w.dtype == logits.dtype:
+                    grad_w.addmm_(logits.T, h[a:b])
+                else:  # an fp32 master weight: the chunk's product in the compute dtype, added in fp32
+                    grad_w += (logits.T @ h[a:b]).to(grad_w.dtype)
+            del logits
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.hidden_dtype = hidden.dtype
+        return (loss * tw).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        scale = None if bool(grad_out == 1) else grad_out
+        if grad_h is not None:
+            grad_h = (grad_h if scale is None else grad_h * scale.to(grad_h.dtype)).to(ctx.hidden_dtype)
+        if grad_w is not None and scale is not None:
+            grad_w = grad_w * scale.to(grad_w.dtype)
+        return grad_h, grad_w, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor,
+                         ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+    if hidden.dim() != 2 or weight.dim() != 2 or not hidden.is_floating_point():
+        return reference.linear_cross_entropy(hidden, weight, labels, token_weights, ignore_index, label_smoothing)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, token_weights, ignore_index, label_smoothing)

@@ -1,0 +1,21 @@
+"""What loongforge-kernels registers: a Triton implementation of each op it has, for CUDA
+devices (on a CPU core keeps its references; tests run the kernels there under
+TRITON_INTERPRET=1 by calling them directly)."""
+
+
+def register(reg) -> None:
+    from loongforge.core.ops import OpImpl
+    from loongforge.kernels import linear_cross_entropy, moe_permute, rms_norm, rope, swiglu, varlen_attention
+
+    cuda = ("cuda",)
+    for op, fn in (
+        ("rms_norm", rms_norm.rms_norm),
+        ("add_rms_norm", rms_norm.add_rms_norm),
+        ("rope", rope.rope),
+        ("swiglu", swiglu.swiglu),
+        ("linear_cross_entropy", linear_cross_entropy.linear_cross_entropy),
+        ("moe_permute", moe_permute.moe_permute),
+        ("moe_unpermute", moe_permute.moe_unpermute),
+    ):
+        reg.add("op", f"{op}.triton", OpImpl(fn, cuda, priority=10))
+    reg.add("op", "varlen_attention.flash", OpImpl(varlen_attention.varlen_attention, cuda, priority=10))

@@ -1,0 +1,121 @@
+"""RMSNorm forward/backward in Triton, with an optional fused residual add.
+
+Matches core's reference exactly in its rounding points: the normalized row is cast to the
+input dtype before the weight multiplies it, and the output dtype is that of `x * weight` under
+torch's promotion (fp32 when an fp32 master weight meets bf16 activations). The backward keeps
+everything in fp32 until the final store; the weight gradient is summed per program, then over
+programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loongforge.core.ops import reference
+from loongforge.kernels._util import KERNEL_DTYPES, programs_for, warps_for
+
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _fwd(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(S + row * stride_s + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    tl.store(RSTD + row, rstd)
+    xn = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (w * xn).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd(DY, X, W, RSTD, DX, DS, DW, stride_dy, stride_x, stride_dx, stride_ds, M, N, rows_per_program,
+         HAS_DS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    start = pid * rows_per_program
+    end = tl.minimum(start + rows_per_program, M)
+    for r in range(start, end):
+        row = tl.cast(r, tl.int64)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        xr = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        rstd = tl.load(RSTD + row)
+        xhat = xr.to(tl.float32) * rstd
+        dw += dy * xhat.to(X.dtype.element_ty).to(tl.float32)
+        g = dy * w
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
+        if HAS_DS:
+            dx += tl.load(DS + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW + pid * N + cols, dw, mask=mask)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, residual):
+        n = x.shape[-1]
+        x2 = _rows(x, n)
+        r2 = _rows(residual, n) if residual is not None else None
+        m = x2.shape[0]
+        y = torch.empty((m, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        s = torch.empty_like(x2) if residual is not None else None
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        block = triton.next_power_of_2(n)
+        if m:
+            _fwd[(m,)](x2, r2 if r2 is not None else x2, weight, y, s if s is not None else x2, rstd,
+                       x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), s.stride(0) if s is not None else 0,
+                       n, eps, HAS_RES=residual is not None, BLOCK=block, num_warps=warps_for(block))
+        ctx.save_for_backward(s if s is not None else x2, weight, rstd)
+        ctx.shape, ctx.has_res = x.shape, residual is not None
+        y = y.view(*x.shape[:-1], n)
+        return (y, s.view(x.shape)) if residual is not None else y
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        x2, weight, rstd = ctx.saved_tensors
+        m, n = x2.shape
+        dy2 = _rows(dy, n)
+        ds2 = _rows(ds, n) if ds is not None else None
+        dx = torch.empty_like(x2)
+        progs = programs_for(x2.device, m)
+        dw_part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)
+        block = triton.next_power_of_2(n)
+        if m:
+            _bwd[(progs,)](dy2, x2, weight, rstd, dx, ds2 if ds2 is not None else dy2, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0),
+                           ds2.stride(0) if ds2 is not None else 0, m, n, triton.cdiv(m, progs),
+                           HAS_DS=ds2 is not None, BLOCK=block, num_warps=warps_for(block))
+        dw = dw_part.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)
+        dx = dx.view(ctx.shape)
+        return dx, dw, None, (dx if ctx.has_res else None)
+
+
+def _supported(x, weight) -> bool:
+    return x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES and x.shape[-1] <= MAX_HIDDEN and weight.is_contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _supported(x, weight):
+        return reference.rms_norm(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps, None)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _supported(x, weight) or residual.dtype != x.dtype or residual.shape != x.shape:
+        return reference.add_rms_norm(x, residual, weight, eps)
+    return _RMSNorm.apply(x, weight, eps, residual)

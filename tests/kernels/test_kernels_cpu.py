@@ -1,0 +1,134 @@
+"""Every Triton kernel against core's reference on the CPU (TRITON_INTERPRET=1, set by
+tools/test.sh before triton is imported): forward and gradients in fp32 on small, odd shapes."""
+
+import os
+
+import pytest
+import torch
+
+from loongforge.core.ops import reference as ref
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="Triton kernels need TRITON_INTERPRET=1 on a CPU")
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _grads(fn, inputs, grad_out):
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    gos = grad_out if isinstance(grad_out, tuple) else (grad_out,)
+    torch.autograd.backward(outs, gos)
+    return outs, [t.grad for t in inputs if t.is_floating_point()]
+
+
+def _compare(kernel, reference, inputs, grad_out, tol=TOL):
+    got, got_g = _grads(kernel, inputs, grad_out)
+    want, want_g = _grads(reference, inputs, grad_out)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **tol)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 40), (7, 100)])
+def test_rms_norm(shape):
+    from loongforge.kernels.rms_norm import rms_norm
+
+    torch.manual_seed(0)
+    x, w = torch.randn(shape), torch.randn(shape[-1])
+    _compare(lambda a, b: rms_norm(a, b, 1e-6), lambda a, b: ref.rms_norm(a, b, 1e-6), [x, w], torch.randn(shape))
+
+
+def test_add_rms_norm():
+    from loongforge.kernels.rms_norm import add_rms_norm
+
+    torch.manual_seed(0)
+    x, r, w = torch.randn(6, 50), torch.randn(6, 50), torch.randn(50)
+    _compare(lambda a, b, c: add_rms_norm(a, b, c, 1e-5), lambda a, b, c: ref.add_rms_norm(a, b, c, 1e-5), [x, r, w],
+             (torch.randn(6, 50), torch.randn(6, 50)))
+
+
+def test_rms_norm_non_contiguous_input():
+    from loongforge.kernels.rms_norm import rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(9, 4, 24).transpose(0, 1)  # rows not contiguous
+    w = torch.randn(24)
+    _compare(lambda a, b: rms_norm(a, b, 1e-6), lambda a, b: ref.rms_norm(a, b, 1e-6), [x, w], torch.randn(4, 9, 24))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 22), (5, 2048 + 6)])
+def test_swiglu(shape):
+    from loongforge.kernels.swiglu import swiglu
+
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    _compare(swiglu, ref.swiglu, [x], torch.randn(*shape[:-1], shape[-1] // 2))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot,d", [(16, 16), (8, 24)])
+def test_rope(interleaved, rot, d):
+    from loongforge.kernels.rope import rope
+
+    torch.manual_seed(0)
+    b, s, h = 2, 7, 3
+    x = torch.randn(s, b, h, d).transpose(0, 1)  # [b, s, h, d] strided like the model's q/k
+    inv = ref.rope_inv_freq(rot, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 4})
+    for pos in (torch.arange(s), torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 6]])):
+        _compare(lambda a: rope(a, pos, inv, interleaved), lambda a: ref.rope(a, pos, inv, interleaved), [x], torch.randn(b, s, h, d))
+
+
+def test_rope_interleaved_reference_pairs_adjacent_channels():
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 1, 4)
+    inv = ref.rope_inv_freq(4, 10000.0)
+    want = ref.rope(x[..., [0, 2, 1, 3]], torch.arange(3), inv)[..., [0, 2, 1, 3]]
+    torch.testing.assert_close(ref.rope(x, torch.arange(3), inv, interleaved=True), want)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_linear_cross_entropy(smoothing, monkeypatch):
+    from loongforge.kernels import linear_cross_entropy as lce
+
+    monkeypatch.setattr(lce, "LOGITS_BUDGET", 5 * 37 * 4)  # several chunks of 5 tokens
+    monkeypatch.setattr(lce, "BLOCK_V", 16)  # several vocab blocks per row
+    torch.manual_seed(0)
+    n, h, v = 13, 12, 37
+    hid, w = torch.randn(n, h), torch.randn(v, h)
+    labels = torch.randint(0, v, (n,))
+    labels[[2, 7]] = -100
+    tw = torch.rand(n)
+    for go in (torch.tensor(1.0), torch.tensor(0.37)):
+        _compare(lambda a, b: lce.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing),
+                 lambda a, b: ref.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing), [hid, w], go)
+
+
+def test_moe_permute_unpermute():
+    from loongforge.kernels.moe_permute import moe_permute, moe_unpermute
+
+    torch.manual_seed(0)
+    n, h, k, e = 9, 20, 2, 4
+    tokens = torch.randn(n, h)
+    experts = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
+    probs = torch.rand(n, k)
+    got_p, rows, counts = moe_permute(tokens, experts, e)
+    want_p, want_rows, want_counts = ref.moe_permute(tokens, experts, e)
+    assert torch.equal(rows, want_rows) and torch.equal(counts, want_counts) and counts.sum() == n * k
+    torch.testing.assert_close(got_p, want_p, rtol=0, atol=0)
+    # expert-major order: each expert's rows are contiguous
+    assert torch.equal(experts.reshape(-1)[rows], torch.sort(experts.reshape(-1)).values)
+
+    def roundtrip(kernel_p, kernel_u):
+        def f(t, p):
+            perm, r, _ = kernel_p(t, experts, e)
+            return kernel_u(perm * 2.0, r, p)
+        return f
+
+    _compare(roundtrip(moe_permute, moe_unpermute), roundtrip(ref.moe_permute, ref.moe_unpermute), [tokens, probs], torch.randn(n, h))
+    # permute then unpermute with probabilities summing to 1 gives the tokens back
+    back = moe_unpermute(got_p, rows, probs / probs.sum(1, keepdim=True))
+    torch.testing.assert_close(back, tokens)
