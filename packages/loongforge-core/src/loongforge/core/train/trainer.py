@@ -5,6 +5,7 @@ sync, clipping, the NaN/Inf guard, evaluation, logging, checkpoints and signal h
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import shutil
@@ -23,6 +24,7 @@ from loongforge.core.parallel import on_rank0
 from loongforge.core.train.lr import lr_at
 from loongforge.core.train.metrics import Metrics
 from loongforge.core.train.pipeline import forward_backward
+from loongforge.core.train.precision import MasterWeights, resolve_params_dtype
 
 
 class TrainingStopped(UserError):
@@ -80,6 +82,8 @@ class Trainer:
         self.rank0 = dist.get_rank() == 0
         self._stop_signal: int | None = None
         self._select = None
+        self.params_dtype = resolve_params_dtype(train_cfg.params_dtype, acc)
+        self.masters: MasterWeights | None = None
 
     def _trainable_names(self, model) -> None:
         if self.hooks.save_trainable_only:
@@ -108,14 +112,14 @@ class Trainer:
         return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 
     # ---- gradients ---------------------------------------------------------------------
-    def _finalize_grads(self, model) -> None:
+    def _finalize_grads(self, params) -> None:
         ctx = self.ctx
         if ctx.pp_size > 1 and ctx.embedding_group is not None:
-            for p in model.parameters():
+            for p in params:
                 if getattr(p, "shared_embedding", False) and p.grad is not None:
                     dist.all_reduce(p.grad, group=ctx.embedding_group)
         if ctx.dp_size > 1:
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            grads = [p.grad for p in params if p.grad is not None]
             for bucket in _buckets(grads, 1 << 25):
                 flat = torch._utils._flatten_dense_tensors(bucket)
                 dist.all_reduce(flat, group=ctx.dp_group)
@@ -123,12 +127,12 @@ class Trainer:
                 for g, f in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
                     g.copy_(f)
 
-    def _grad_norm(self, model) -> torch.Tensor:
+    def _grad_norm(self, params) -> torch.Tensor:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
         sq = torch.zeros((), dtype=torch.float32, device=self.acc.device())
-        for p in model.parameters():
+        for p in params:
             if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
                 sq += p.grad.detach().float().pow(2).sum()
         if self.ctx.tp_size * self.ctx.pp_size > 1:
@@ -142,7 +146,8 @@ class Trainer:
         if self.rank0:
             ckdir.begin(step)
         dist.barrier()
-        save_megatron(tmp, model, optimizer, self._select)
+        with self._fp32_view():
+            save_megatron(tmp, model, optimizer, self._select)
         dist.barrier()
         path = ckdir.root / ckdir.step_name(step)
 
@@ -171,6 +176,9 @@ class Trainer:
         rng = {k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8) for k, v in m["rng"].items()}
         self.acc.set_rng_state({k: v for k, v in rng.items() if k == "cpu" or self.acc.device_type == "cuda"})
         return state
+
+    def _fp32_view(self):
+        return self.masters.masters_in_model() if self.masters is not None else contextlib.nullcontext()
 
     # ---- loop --------------------------------------------------------------------------
     def evaluate(self, model) -> float | None:
@@ -220,6 +228,11 @@ class Trainer:
                 print(f"resumed from {resume_from} at step {state['step']}", flush=True)
         elif self.hooks.initial_weights is not None:
             self.hooks.initial_weights(model)
+        # the optimizer holds the fp32 parameters it was built over: with low-precision params
+        # they become the masters (loaded above at full precision)
+        trained = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.params_dtype != torch.float32:
+            self.masters = MasterWeights(model, self.params_dtype)
         model.train()
         old_handlers = self._install_signals()
         metrics = Metrics(self.run_dir, cfg.train_iters, state["step"], enabled=self.rank0)
@@ -232,23 +245,25 @@ class Trainer:
                 t0 = time.perf_counter()
                 self.acc.reset_peak_memory()
                 mbs = next(batches)
-                for p in model.parameters():
+                for p in trained:
                     p.grad = None
                 loss = self._dp_mean(self._fb(model, mbs))
-                self._finalize_grads(model)
-                grad_norm = self._grad_norm(model)
+                self._finalize_grads(trained)
+                grad_norm = self._grad_norm(trained)
                 lr = lr_at(state["optimizer_steps"], cfg)
                 finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
                 if finite:
                     state["bad_steps"] = 0
                     if cfg.clip_grad > 0:
                         coef = torch.clamp(cfg.clip_grad / (grad_norm + 1e-6), max=1.0)
-                        for p in model.parameters():
-                            if p.grad is not None:
-                                p.grad.mul_(coef)
+                        grads = [p.grad for p in trained if p.grad is not None]
+                        if grads:
+                            torch._foreach_mul_(grads, coef)
                     for g in optimizer.param_groups:
                         g["lr"] = lr
                     optimizer.step()
+                    if self.masters is not None:
+                        self.masters.copy_to_model()
                     state["optimizer_steps"] += 1
                 else:
                     state["bad_steps"] += 1

@@ -1,0 +1,60 @@
+"""bf16 parameters with fp32 master weights (the GPU default): trains close to fp32, keeps fp32
+weights in its checkpoints, and resumes exactly."""
+
+import pytest
+import torch
+
+from conftest import FAST, losses, run_cli
+
+pytestmark = pytest.mark.slow
+ARGS = [*FAST, "train.lr=1e-3", "train.min_lr=1e-3", "train.lr_warmup_iters=0"]
+
+
+def test_bf16_params_train_close_to_fp32_and_resume_exactly(hf_llama4, tmp_path):
+    def train(run, iters, dtype):
+        r = run_cli(["train", "tiny", *ARGS, f"train.train_iters={iters}", f"train.params_dtype={dtype}", f"checkpoint.load={hf_llama4}",
+                     f"checkpoint.run_dir={tmp_path / run}"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        return losses(tmp_path / run)
+
+    fp32 = train("fp32", 4, "float32")
+    bf16 = train("bf16", 4, "bfloat16")
+    assert bf16[4] < bf16[1]
+    for step in range(1, 5):  # bf16 rounds activations and weights to 8 mantissa bits
+        assert abs(bf16[step] - fp32[step]) <= 2e-2 * fp32[step], (step, bf16[step], fp32[step])
+    assert any(bf16[s] != fp32[s] for s in range(1, 5))  # it really ran in bf16
+    train("cut", 2, "bfloat16")
+    cut = train("cut", 4, "bfloat16")
+    for step in (3, 4):
+        assert cut[step] == bf16[step], (step, cut[step], bf16[step])
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(tmp_path / "bf16" / "checkpoints" / "step_00000004")).read_metadata().state_dict_metadata
+    dtypes = {k: v.properties.dtype for k, v in md.items() if hasattr(v, "properties")}
+    assert dtypes and set(dtypes.values()) == {torch.float32}, dtypes
+
+
+def test_master_weights_accumulate_in_fp32():
+    from loongforge.core.train.precision import MasterWeights
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64, bias=False)
+    master = model.weight
+    mw = MasterWeights(model, torch.bfloat16)
+    assert model.weight.dtype == torch.bfloat16 and master.dtype == torch.float32
+    xs = [torch.randn(4, 64, dtype=torch.bfloat16) for _ in range(8)]
+    want = torch.zeros(64, 64)
+    for x in xs:
+        model(x).float().sum().backward()
+        g = torch.ones(4, 64, dtype=torch.bfloat16).T @ x  # this micro-batch's bf16 gradient
+        want += g.float()
+    assert model.weight.grad is None  # moved into the master
+    torch.testing.assert_close(master.grad, want, rtol=0, atol=0)
+    with torch.no_grad():
+        master.add_(1e-3)  # an optimizer step on the master
+    mw.copy_to_model()
+    torch.testing.assert_close(model.weight, master.to(torch.bfloat16), rtol=0, atol=0)
+    with mw.masters_in_model():
+        assert model.weight is master
+    assert model.weight.dtype == torch.bfloat16
