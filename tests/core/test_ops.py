@@ -105,7 +105,7 @@ def test_op_table_selection_errors():
     from loongforge.core.registry import registry
 
     with pytest.raises(UserError, match="no such implementation"):
-        OpTable.build({"rms_norm": "triton"}, registry())
+        OpTable.build({"rms_norm": "cutlass"}, registry())
     with pytest.raises(UserError, match="unknown op"):
         OpTable.build({"rmsnorm": "reference"}, registry())
 
@@ -133,3 +133,17 @@ def test_model_computes_through_the_op_table():
     model(torch.randint(0, 256, (1, 8)), None, None)
     # per layer: 2 norms + q/k norms, 2 rope calls, 1 attention, 1 swiglu; plus the final norm
     assert calls == Counter({"rms_norm": 2 * 4 + 1, "rope": 4, "attention": 2, "swiglu": 2})
+
+
+def test_op_table_picks_the_fastest_implementation_for_the_device():
+    """loongforge-kernels registers Triton ops for CUDA: chosen by default there, never on a CPU
+    (which keeps the references), and a config can name the reference back."""
+    from loongforge.core.registry import registry
+
+    cpu = OpTable.build(None, registry(), "cpu")
+    assert cpu.impls == OpTable().impls
+    cuda = OpTable.build(None, registry(), "cuda")
+    assert cuda.rms_norm.__module__ == "loongforge.kernels.rms_norm" and cuda.varlen_attention.__module__ == "loongforge.kernels.varlen_attention"
+    assert OpTable.build({"rms_norm": "reference"}, registry(), "cuda").rms_norm is ref.rms_norm
+    with pytest.raises(UserError, match="runs on cuda, not cpu"):
+        OpTable.build({"rms_norm": "triton"}, registry(), "cpu")

@@ -9,11 +9,13 @@ whole loop), and reports ms/step, tokens/s, TFLOP/s, MFU against the GPU's dense
 peak memory. FLOPs per token = 6 * params + 12 * layers * hidden * seq (no recompute counted).
 
 Setups:
-- `loongforge trainer`: what `loongforge-llm train` runs: fp32 master weights, bf16 autocast,
-  core's forward_backward, gradient clipping, fused AdamW.
-- `loongforge bf16 params`: the same model and step with bf16 parameters, as the HF baselines run.
-- `... + kernels`: the same, with the op table `loongforge-llm train` builds on a GPU when
-  loongforge-kernels is installed (Triton RMSNorm, RoPE, SwiGLU) instead of the references.
+- `loongforge trainer`: the step `loongforge-llm train` runs on a GPU: bf16 parameters with fp32
+  master weights (fp32 gradient accumulation, fp32 AdamW, copy back), bf16 autocast, the GPU op
+  table (Triton RMSNorm, RoPE, SwiGLU, fused linear + cross-entropy when loongforge-kernels is
+  installed), core's forward_backward, gradient clipping, fused AdamW.
+- `loongforge trainer (reference ops)`: the same step with core's plain-torch op references.
+- `loongforge fp32 params + autocast`: the previous default (fp32 parameters, bf16 autocast),
+  GPU op table.
 - `hf eager` / `hf compile`: LlamaForCausalLM (sdpa), bf16 parameters, fused AdamW.
 - `megatron local spec`: megatron-core's own GPTModel with `get_gpt_layer_local_spec` (no
   transformer-engine: its unfused DotProductAttention), bf16 parameters, same step.
@@ -40,7 +42,7 @@ def parse():
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--setups", default="loongforge trainer,loongforge trainer + kernels,loongforge bf16 params,loongforge bf16 params + kernels,"
+    p.add_argument("--setups", default="loongforge trainer,loongforge trainer (reference ops),loongforge fp32 params + autocast,"
                                        "hf eager,hf compile,megatron local spec")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args()
@@ -60,7 +62,7 @@ def timed(step, warmup: int, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def loongforge_step(mcfg, tokens, bf16_params: bool, kernels: bool):
+def loongforge_step(mcfg, tokens, master_weights: bool, kernels: bool):
     from loongforge.core.accelerator import get_accelerator
     from loongforge.core.foundation.families import LLAMA
     from loongforge.core.foundation.spec import build_gpt_model
@@ -68,31 +70,29 @@ def loongforge_step(mcfg, tokens, bf16_params: bool, kernels: bool):
     from loongforge.core.parallel import init_parallel
     from loongforge.core.registry import registry
     from loongforge.core.train.pipeline import forward_backward
+    from loongforge.core.train.precision import MasterWeights
 
     acc = get_accelerator("cuda")
     ctx = init_parallel(1, 1, acc.backend, acc.device_type)
     acc.manual_seed(0)
     ops = OpTable.build(None, registry(), "cuda") if kernels else OpTable()
     model = build_gpt_model(LLAMA.resolve(mcfg), ctx, ops).cuda()
-    if bf16_params:
-        model = model.bfloat16()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    mb = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.ones_like(tokens, dtype=torch.float32)}
-
-    def loss_fn(per_token, m):
-        return (per_token.float() * m["loss_mask"]).sum() / m["loss_mask"].sum()
-
-    autocast = acc.autocast
+    trained = [p for g in opt.param_groups for p in g["params"]]
+    masters = MasterWeights(model, torch.bfloat16) if master_weights else None
+    mb = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_weights": torch.full(tokens.shape, 1.0 / tokens.numel(), device=tokens.device)}
     act = (tokens.shape[1], tokens.shape[0], mcfg.hidden_size)
 
     def step():
-        for p in model.parameters():
+        for p in trained:
             p.grad = None
-        forward_backward(model, [mb], ctx, loss_fn, act, torch.float32, tokens.device, autocast)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        forward_backward(model, [mb], ctx, act, torch.float32, tokens.device, acc.autocast)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0, foreach=True)
         opt.step()
+        if masters is not None:
+            masters.copy_to_model()
 
-    return step, (model, opt)
+    return step, (model, opt, masters)
 
 
 def megatron_local_step(mcfg, tokens):
@@ -161,10 +161,9 @@ def main():
     fpt = mcfg.flops_per_token(a.seq)
     peak = 989e12
     builders = {
-        "loongforge trainer": lambda: loongforge_step(mcfg, tokens, bf16_params=False, kernels=False),
-        "loongforge trainer + kernels": lambda: loongforge_step(mcfg, tokens, bf16_params=False, kernels=True),
-        "loongforge bf16 params": lambda: loongforge_step(mcfg, tokens, bf16_params=True, kernels=False),
-        "loongforge bf16 params + kernels": lambda: loongforge_step(mcfg, tokens, bf16_params=True, kernels=True),
+        "loongforge trainer": lambda: loongforge_step(mcfg, tokens, master_weights=True, kernels=True),
+        "loongforge trainer (reference ops)": lambda: loongforge_step(mcfg, tokens, master_weights=True, kernels=False),
+        "loongforge fp32 params + autocast": lambda: loongforge_step(mcfg, tokens, master_weights=False, kernels=True),
         "hf eager": lambda: hf_step(mcfg, tokens, compile_=False),
         "hf compile": lambda: hf_step(mcfg, tokens, compile_=True),
         "megatron local spec": lambda: megatron_local_step(mcfg, tokens),

@@ -7,7 +7,7 @@
 #   llm     tools/benchmarks/llm_throughput.py
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-PARTS="${PARTS:-tests kernels sft llm}"
+PARTS="${PARTS:-tests kernels llm sft}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/packages/loongforge-core/src:$PWD/packages/loongforge-llm/src:$PWD/packages/loongforge-kernels/src
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
@@ -28,7 +28,7 @@ python3 -c "from loongforge.core.registry import registry; print('ops:', registr
 for part in $PARTS; do
   case $part in
     tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/llm/test_gpu.py tests/kernels/test_kernels_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log" ;;
-    kernels) timeout 300 python3 tools/benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | grep -v -i "warn" | tee "$OUT/kernels.log" ;;
+    kernels) timeout 300 python3 tools/benchmarks/kernels.py ${KERNEL_ARGS:-} --json "$OUT/kernels.json" 2>&1 | grep -v -i "warn" | tee "$OUT/kernels.log" ;;
     sft) timeout 240 python3 tools/benchmarks/sft_throughput.py --json "$OUT/sft_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/sft_throughput.log" ;;
     llm) timeout 400 python3 tools/benchmarks/llm_throughput.py ${LLM_ARGS:-} --json "$OUT/llm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/llm_throughput.log" ;;
   esac

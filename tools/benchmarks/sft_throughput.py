@@ -89,15 +89,12 @@ def loongforge_setup(mcfg, batches, packed: bool):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
     it = iter(batches)
 
-    def loss_fn(per_token, m):
-        return (per_token.float() * m["loss_mask"]).sum() / m["loss_mask"].sum().clamp(min=1)
-
     def step():
         mb = next(it)
         for p in model.parameters():
             p.grad = None
         act = (mb["tokens"].shape[1], mb["tokens"].shape[0], mcfg.hidden_size)
-        forward_backward(model, [mb], ctx, loss_fn, act, torch.bfloat16, mb["tokens"].device, acc.autocast)
+        forward_backward(model, [mb], ctx, act, torch.bfloat16, mb["tokens"].device, acc.autocast)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
 
@@ -127,7 +124,8 @@ def main():
         psp = p.packed_seq_params()
         psp.cu_seqlens_q = psp.cu_seqlens_q.cuda()
         psp.cu_seqlens_kv = psp.cu_seqlens_kv.cuda()
-        packed.append({"tokens": p.tokens.cuda(), "labels": p.labels.cuda(), "loss_mask": p.loss_mask.cuda(), "packed_seq_params": psp,
+        packed.append({"tokens": p.tokens.cuda(), "labels": p.labels.cuda(), "loss_mask": p.loss_mask.cuda(),
+                       "loss_weights": (p.loss_mask / p.loss_mask.sum()).cuda(), "packed_seq_params": psp,
                        "real": sum(lengths[i] for i in b), "slots": a.pack_len})
 
     def padded_rows(k, pad_to):
@@ -140,7 +138,7 @@ def main():
         for j, s in enumerate(group):
             n = s["tokens"].numel()
             tok[j, :n], lab[j, :n], mask[j, :n], attn[j, :n] = s["tokens"], s["labels"], s["loss_mask"], 1
-        return {"tokens": tok.cuda(), "labels": lab.cuda(), "loss_mask": mask.cuda(), "attention_mask": attn.cuda(),
+        return {"tokens": tok.cuda(), "labels": lab.cuda(), "loss_mask": mask.cuda(), "loss_weights": (mask / mask.sum()).cuda(), "attention_mask": attn.cuda(),
                 "real": sum(s["tokens"].numel() for s in group), "slots": a.micro_batch * width}
 
     unpacked = [padded_rows(k, a.max_len) for k in range(n_steps)]

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from loongforge.core.ops import reference
 
-LOGITS_BUDGET = 512 << 20
+LOGITS_BUDGET = 128 << 20  # Liger's chunk: grad_w + grad_h + one chunk of logits is all the extra memory
 BLOCK_V = 4096
 
 
@@ -59,12 +59,12 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_weights, ignore_index, smoothing):
+    def forward(ctx, hidden, weight, labels, token_weights, ignore_index, smoothing, grad_enabled):
         dt = _compute_dtype(hidden)
         h = hidden.to(dt)
         w = weight.to(dt)
         n, v = h.shape[0], w.shape[0]
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         grads = want_h or want_w
         loss = torch.empty(n, dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_h else None
@@ -72,6 +72,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         tw = token_weights.to(torch.float32).contiguous()
         lab = labels.contiguous()
         chunk = max(1, min(n, LOGITS_BUDGET // (v * h.element_size())))
+        if chunk > 128:
+            chunk -= chunk % 128  # whole matmul tiles
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             logits = h[a:b] @ w.T
@@ -97,11 +99,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = (grad_h if scale is None else grad_h * scale.to(grad_h.dtype)).to(ctx.hidden_dtype)
         if grad_w is not None and scale is not None:
             grad_w = grad_w * scale.to(grad_w.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor,
                          ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
     if hidden.dim() != 2 or weight.dim() != 2 or not hidden.is_floating_point():
         return reference.linear_cross_entropy(hidden, weight, labels, token_weights, ignore_index, label_smoothing)
-    return _LinearCrossEntropy.apply(hidden, weight, labels, token_weights, ignore_index, label_smoothing)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, token_weights, ignore_index, label_smoothing, torch.is_grad_enabled())

@@ -99,16 +99,18 @@ def resolve_corpus(item: str) -> Path:
 class RunData:
     """What a recipe's data side gives the shared training setup."""
 
-    batches: Callable[[int], Iterator[list[dict]]]  # first step -> micro-batch lists
-    loss_fn: Callable  # (per-token loss, micro-batch) -> scalar
+    batches: Callable[[int], Iterator[list[dict]]]  # first step -> micro-batch lists (with loss_weights)
     tokens_per_step: int
     micro_batch_rows: int  # rows of one micro-batch (1 for THD packs)
     eval_batches: Optional[Callable[[], list]] = None
 
 
-def masked_mean_loss(per_token, mb):
-    mask = mb["loss_mask"].float()
-    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+def with_mean_weights(mbs: list[dict]) -> list[dict]:
+    """Each micro-batch's loss is the mean over its unmasked tokens."""
+    for mb in mbs:
+        mask = mb["loss_mask"].float()
+        mb["loss_weights"] = mask / mask.sum().clamp(min=1)
+    return mbs
 
 
 def pretrain_data(cfg, tok, ctx, run_dir: Path, device) -> RunData:
@@ -121,16 +123,16 @@ def pretrain_data(cfg, tok, ctx, run_dir: Path, device) -> RunData:
     )
 
     def batches(start):
-        return text_data.step_batches(train_ds, start, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, device)
+        for mbs in text_data.step_batches(train_ds, start, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, device):
+            yield with_mean_weights(mbs)
 
     def eval_batches():
         if valid_ds is None:
             return []
         it = text_data.step_batches(valid_ds, 0, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, device)
-        return [next(it) for _ in range(t.eval_iters)]
+        return [with_mean_weights(next(it)) for _ in range(t.eval_iters)]
 
-    return RunData(batches, masked_mean_loss, t.global_batch_size * cfg.data.seq_length, t.micro_batch_size,
-                   eval_batches if t.eval_interval else None)
+    return RunData(batches, t.global_batch_size * cfg.data.seq_length, t.micro_batch_size, eval_batches if t.eval_interval else None)
 
 
 def run(cfg) -> dict:
@@ -207,7 +209,6 @@ def train(cfg, make_data: Callable) -> dict:
     hooks = TrainHooks(
         build=build,
         batches=data.batches,
-        loss_fn=data.loss_fn,
         act_shape=(cfg.data.seq_length, data.micro_batch_rows, mcfg.hidden_size),
         tokens_per_step=data.tokens_per_step,
         flops_per_token=mcfg.flops_per_token(cfg.data.seq_length, frozen_weights=lora is not None),

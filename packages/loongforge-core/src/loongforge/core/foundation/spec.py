@@ -4,6 +4,7 @@ model config into a megatron-core `GPTModel`."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -174,12 +175,39 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer(first_layer + j) for j in range(num_layers)], layer_norm=norm))
 
 
+@functools.cache
+def gpt_model_class():
+    """megatron-core's GPTModel, whose loss, given per-token weights as `loss_mask`, is the
+    weighted sum of the tokens' cross-entropies. At TP=1 the output projection and the loss are
+    one op-table call (`linear_cross_entropy`: fused implementations never hold the logits); a
+    vocab-parallel output layer keeps megatron's own cross-entropy. A factory, so that importing
+    this module does not import megatron-core."""
+    from megatron.core.models.gpt import GPTModel
+
+    class LossWeightedGPTModel(GPTModel):
+        def __init__(self, *args, ops: OpTable | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.ops = ops or OpTable()
+
+        def _postprocess(self, hidden_states, **kw):
+            labels, weights = kw.get("labels"), kw.get("loss_mask")
+            if not self.post_process or labels is None or weights is None or self.mtp_process:
+                return super()._postprocess(hidden_states, **kw)
+            if self.output_layer.tp_group.size() == 1:
+                weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else self.output_layer.weight
+                # hidden states are [s, b, h]; labels and weights [b, s]
+                return self.ops.linear_cross_entropy(hidden_states.reshape(-1, hidden_states.shape[-1]), weight,
+                                                     labels.t().reshape(-1), weights.t().reshape(-1).float())
+            per_token = super()._postprocess(hidden_states, **{**kw, "loss_mask": None})
+            return (per_token.float() * weights).sum()
+
+    return LossWeightedGPTModel
+
+
 def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dtype=torch.float32, recompute: bool = False, lora=None):
     """Build this rank's pipeline stage of the model on the CPU (megatron's CPU init makes the
     weights independent of the TP layout); the caller moves it to the device. With `lora` (an
     enabled LoRAConfig) the targeted linears carry adapters and everything else is frozen."""
-    from megatron.core.models.gpt import GPTModel
-
     if cfg.num_layers % ctx.pp_size:
         raise UserError(f"model.num_layers={cfg.num_layers} must be divisible by pipeline_model_parallel_size={ctx.pp_size}")
     for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups)):
@@ -187,7 +215,7 @@ def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dt
             raise UserError(f"model.{name}={n} must be divisible by tensor_model_parallel_size={ctx.tp_size}")
     ops = ops or OpTable()
     per_stage = cfg.num_layers // ctx.pp_size
-    model = GPTModel(
+    model = gpt_model_class()(
         config=transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute),
         transformer_layer_spec=block_spec(cfg, ops, per_stage, ctx.tp_group, lora, ctx.pp_rank * per_stage),
         vocab_size=cfg.vocab_size,
@@ -198,6 +226,7 @@ def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dt
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="none",
         pg_collection=ctx.pg_collection(),
+        ops=ops,
     )
     if lora is not None and lora.enabled:
         from loongforge.core.foundation.lora import freeze_base

@@ -9,7 +9,7 @@ is not implemented yet).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,22 +19,23 @@ def forward_backward(
     model,
     microbatches: Sequence[dict],
     ctx,
-    loss_fn: Callable[[torch.Tensor, dict], torch.Tensor],
     act_shape: tuple[int, ...],
     act_dtype: torch.dtype,
     device: torch.device,
     autocast,
     forward_only: bool = False,
 ) -> torch.Tensor:
-    """Return the mean micro-batch loss (on every stage). `loss_fn(output, mb)` gives the
-    scalar loss of one micro-batch from the last stage's output (per-token losses). A
-    micro-batch may carry `packed_seq_params` (THD packing); every stage receives it."""
+    """Return the mean micro-batch loss (on every stage). A micro-batch holds `tokens`, `labels`
+    and `loss_weights` ([batch, seq] floats): its loss is the weighted sum of its tokens'
+    cross-entropies, computed by the model's last stage (the recipe's weights say what kind of
+    mean that is). A micro-batch may carry `packed_seq_params` (THD packing); every stage
+    receives it."""
     n = len(microbatches)
     losses = []
     if ctx.pp_size == 1:
         for mb in microbatches:
             with autocast():
-                loss = loss_fn(model(mb["tokens"], None, None, labels=mb["labels"], packed_seq_params=mb.get("packed_seq_params")), mb)
+                loss = model(mb["tokens"], None, None, labels=mb["labels"], loss_mask=mb["loss_weights"], packed_seq_params=mb.get("packed_seq_params"))
             if not forward_only:
                 (loss / n).backward()
             losses.append(loss.detach())
@@ -54,10 +55,10 @@ def forward_backward(
                 None,
                 None,
                 labels=mb["labels"] if ctx.is_last_stage else None,
+                loss_mask=mb["loss_weights"] if ctx.is_last_stage else None,
                 packed_seq_params=mb.get("packed_seq_params"),
             )
             if ctx.is_last_stage:
-                out = loss_fn(out, mb)
                 losses.append(out.detach())
         if not ctx.is_last_stage:
             dist.send(out.detach().to(act_dtype).contiguous(), dst=ctx.next_rank, group=ctx.pp_group)

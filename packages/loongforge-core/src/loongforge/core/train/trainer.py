@@ -34,8 +34,9 @@ class TrainingStopped(UserError):
 @dataclass
 class TrainHooks:
     build: Callable[[], torch.nn.Module]  # this rank's model stage, on the device
-    batches: Callable[[int], Iterator[list[dict]]]  # first step -> micro-batch lists, one per step
-    loss_fn: Callable[[torch.Tensor, dict], torch.Tensor]
+    # first step -> micro-batch lists, one per step; each micro-batch has tokens, labels and
+    # loss_weights (see pipeline.forward_backward)
+    batches: Callable[[int], Iterator[list[dict]]]
     act_shape: tuple[int, ...]  # activation shape passed between pipeline stages
     tokens_per_step: int  # tokens in one global batch
     flops_per_token: float  # model FLOPs per trained token (forward + backward)
@@ -205,7 +206,6 @@ class Trainer:
             model,
             mbs,
             self.ctx,
-            self.hooks.loss_fn,
             self.hooks.act_shape,
             torch.float32,
             self.acc.device(),

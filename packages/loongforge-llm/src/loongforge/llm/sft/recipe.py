@@ -285,8 +285,7 @@ def sft_data(cfg, tok, ctx, run_dir: Path, device):
                 mb = {
                     "tokens": torch.cat([packs[i].tokens for i in idx]).to(device),
                     "labels": torch.cat([packs[i].labels for i in idx]).to(device),
-                    "loss_mask": torch.cat([masks[i] for i in idx]).to(device),
-                    "loss_scale": scale,
+                    "loss_weights": (torch.cat([masks[i] for i in idx]) * scale).to(device),
                 }
                 if d.packing:
                     psp = packs[idx[0]].packed_seq_params()
@@ -296,10 +295,7 @@ def sft_data(cfg, tok, ctx, run_dir: Path, device):
                 mbs.append(mb)
             yield mbs
 
-    def loss_fn(per_token, mb):
-        return (per_token.float() * mb["loss_mask"]).sum() * mb["loss_scale"]
-
-    return RunData(batches, loss_fn, t.global_batch_size * d.seq_length, t.micro_batch_size)
+    return RunData(batches, t.global_batch_size * d.seq_length, t.micro_batch_size)
 
 
 def run(cfg) -> dict:
