@@ -19,7 +19,7 @@ ROWS = [
 ]
 # constant LR (so a run cut short and resumed follows the same schedule), no dropout (so
 # layouts can be compared), every linear, global batch = all six samples packed
-COMMON = ["train.lr_warmup_iters=0", "train.lr=2e-2", "train.min_lr=2e-2", "train.log_interval=1", "data.seq_length=128",
+COMMON = ["train.lr_warmup_iters=0", "train.lr=5e-3", "train.min_lr=5e-3", "train.log_interval=1", "data.seq_length=128",
           "lora.dropout=0.0", "lora.rank=4", "lora.alpha=8", "train.micro_batch_size=1", "train.global_batch_size=3"]
 
 

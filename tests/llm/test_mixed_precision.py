@@ -35,6 +35,25 @@ def test_bf16_params_train_close_to_fp32_and_resume_exactly(hf_llama4, tmp_path)
     assert dtypes and set(dtypes.values()) == {torch.float32}, dtypes
 
 
+def test_pure_bf16_trains_resumes_exactly_and_saves_fp32(hf_llama4, tmp_path):
+    def train(run, iters):
+        r = run_cli(["train", "tiny", *ARGS, f"train.train_iters={iters}", "train.params_dtype=bfloat16", "train.master_weights=false",
+                     f"checkpoint.load={hf_llama4}", f"checkpoint.run_dir={tmp_path / run}"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        return losses(tmp_path / run)
+
+    full = train("full", 4)
+    assert full[4] < full[1]
+    train("cut", 2)
+    cut = train("cut", 4)
+    for step in (3, 4):
+        assert cut[step] == full[step], (step, cut[step], full[step])
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(tmp_path / "full" / "checkpoints" / "step_00000004")).read_metadata().state_dict_metadata
+    assert {v.properties.dtype for v in md.values() if hasattr(v, "properties")} == {torch.float32}
+
+
 def test_master_weights_accumulate_in_fp32():
     from loongforge.core.train.precision import MasterWeights
 
@@ -55,6 +74,6 @@ def test_master_weights_accumulate_in_fp32():
         master.add_(1e-3)  # an optimizer step on the master
     mw.copy_to_model()
     torch.testing.assert_close(model.weight, master.to(torch.bfloat16), rtol=0, atol=0)
-    with mw.masters_in_model():
+    with mw.fp32_view():
         assert model.weight is master
     assert model.weight.dtype == torch.bfloat16

@@ -13,6 +13,8 @@ Setups:
   master weights (fp32 gradient accumulation, fp32 AdamW, copy back), bf16 autocast, the GPU op
   table (Triton RMSNorm, RoPE, SwiGLU, fused linear + cross-entropy when loongforge-kernels is
   installed), core's forward_backward, gradient clipping, fused AdamW.
+- `loongforge trainer (pure bf16)`: the same with `train.master_weights=false`: bf16 parameters,
+  gradients and AdamW state, the precision of the HF and megatron baselines below.
 - `loongforge trainer (reference ops)`: the same step with core's plain-torch op references.
 - `loongforge fp32 params + autocast`: the previous default (fp32 parameters, bf16 autocast),
   GPU op table.
@@ -36,13 +38,15 @@ def parse():
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
     p.add_argument("--ffn", type=int, default=5632)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--recompute", action="store_true", help="full activation recompute (ours) / gradient checkpointing (HF)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--setups", default="loongforge trainer,loongforge trainer (reference ops),loongforge fp32 params + autocast,"
+    p.add_argument("--setups", default="loongforge trainer,loongforge trainer (pure bf16),loongforge trainer (reference ops),loongforge fp32 params + autocast,"
                                        "hf eager,hf compile,megatron local spec")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args()
@@ -62,7 +66,9 @@ def timed(step, warmup: int, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def loongforge_step(mcfg, tokens, master_weights: bool, kernels: bool):
+def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool = False):
+    """precision: "masters" (bf16 params, fp32 masters: the GPU default), "pure" (all bf16) or
+    "fp32" (fp32 params under bf16 autocast)."""
     from loongforge.core.accelerator import get_accelerator
     from loongforge.core.foundation.families import LLAMA
     from loongforge.core.foundation.spec import build_gpt_model
@@ -70,16 +76,20 @@ def loongforge_step(mcfg, tokens, master_weights: bool, kernels: bool):
     from loongforge.core.parallel import init_parallel
     from loongforge.core.registry import registry
     from loongforge.core.train.pipeline import forward_backward
-    from loongforge.core.train.precision import MasterWeights
+    from loongforge.core.train.precision import MasterWeights, PureLowPrecision
 
     acc = get_accelerator("cuda")
     ctx = init_parallel(1, 1, acc.backend, acc.device_type)
     acc.manual_seed(0)
     ops = OpTable.build(None, registry(), "cuda") if kernels else OpTable()
-    model = build_gpt_model(LLAMA.resolve(mcfg), ctx, ops).cuda()
+    model = build_gpt_model(LLAMA.resolve(mcfg), ctx, ops, recompute=recompute)
+    if precision == "pure":  # cast before moving: the fp32 copy never reaches the GPU
+        model = model.to(torch.bfloat16)
+    model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     trained = [p for g in opt.param_groups for p in g["params"]]
-    masters = MasterWeights(model, torch.bfloat16) if master_weights else None
+    low = {"masters": lambda: MasterWeights(model, torch.bfloat16), "pure": lambda: PureLowPrecision(model, opt, torch.bfloat16),
+           "fp32": lambda: None}[precision]()
     mb = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_weights": torch.full(tokens.shape, 1.0 / tokens.numel(), device=tokens.device)}
     act = (tokens.shape[1], tokens.shape[0], mcfg.hidden_size)
 
@@ -89,10 +99,10 @@ def loongforge_step(mcfg, tokens, master_weights: bool, kernels: bool):
         forward_backward(model, [mb], ctx, act, torch.float32, tokens.device, acc.autocast)
         torch.nn.utils.clip_grad_norm_(trained, 1.0, foreach=True)
         opt.step()
-        if masters is not None:
-            masters.copy_to_model()
+        if low is not None:
+            low.copy_to_model()
 
-    return step, (model, opt, masters)
+    return step, (model, opt, low)
 
 
 def megatron_local_step(mcfg, tokens):
@@ -124,7 +134,7 @@ def megatron_local_step(mcfg, tokens):
     return step, (model, opt)
 
 
-def hf_step(mcfg, tokens, compile_: bool):
+def hf_step(mcfg, tokens, compile_: bool, checkpointing: bool = False):
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -133,7 +143,10 @@ def hf_step(mcfg, tokens, compile_: bool):
         max_position_embeddings=mcfg.max_position_embeddings, attn_implementation="sdpa", use_cache=False,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).cuda().bfloat16().train()
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).bfloat16().train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     fwd = torch.compile(model) if compile_ else model
     labels = tokens.clone()
@@ -152,7 +165,7 @@ def main():
     from loongforge.core.foundation.spec import ModelConfig
 
     mcfg = ModelConfig(
-        family="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, num_query_groups=a.heads,
+        family="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, num_query_groups=a.kv_heads or a.heads,
         ffn_hidden_size=a.ffn, vocab_size=a.vocab, max_position_embeddings=a.seq,
     )
     torch.manual_seed(0)
@@ -161,11 +174,12 @@ def main():
     fpt = mcfg.flops_per_token(a.seq)
     peak = 989e12
     builders = {
-        "loongforge trainer": lambda: loongforge_step(mcfg, tokens, master_weights=True, kernels=True),
-        "loongforge trainer (reference ops)": lambda: loongforge_step(mcfg, tokens, master_weights=True, kernels=False),
-        "loongforge fp32 params + autocast": lambda: loongforge_step(mcfg, tokens, master_weights=False, kernels=True),
-        "hf eager": lambda: hf_step(mcfg, tokens, compile_=False),
-        "hf compile": lambda: hf_step(mcfg, tokens, compile_=True),
+        "loongforge trainer": lambda: loongforge_step(mcfg, tokens, "masters", True, a.recompute),
+        "loongforge trainer (pure bf16)": lambda: loongforge_step(mcfg, tokens, "pure", True, a.recompute),
+        "loongforge trainer (reference ops)": lambda: loongforge_step(mcfg, tokens, "masters", False, a.recompute),
+        "loongforge fp32 params + autocast": lambda: loongforge_step(mcfg, tokens, "fp32", True, a.recompute),
+        "hf eager": lambda: hf_step(mcfg, tokens, compile_=False, checkpointing=a.recompute),
+        "hf compile": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.recompute),
         "megatron local spec": lambda: megatron_local_step(mcfg, tokens),
     }
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, params {mcfg.num_params() / 1e9:.3f}B, "

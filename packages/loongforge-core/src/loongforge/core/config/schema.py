@@ -29,7 +29,8 @@ class TrainConfig:
     clip_grad: float = 1.0
     seed: int = 1234
     recompute: bool = False  # full activation recompute, one layer at a time
-    params_dtype: str = "auto"  # auto (bf16 on GPUs, fp32 on CPUs) | float32 | bfloat16; low-precision params keep fp32 masters
+    params_dtype: str = "auto"  # auto (bf16 on GPUs, fp32 on CPUs) | float32 | bfloat16
+    master_weights: bool = True  # low-precision params: fp32 master weights and gradients (false: pure bf16, as HF .bfloat16() training)
     max_bad_steps: int = 5  # consecutive NaN/Inf steps tolerated (each skipped) before stopping
     log_interval: int = 1
     eval_interval: int = 0  # 0: never

@@ -1,4 +1,8 @@
-"""Low-precision parameters with fp32 master weights (Megatron's `--bf16` scheme).
+"""Low-precision parameters: with fp32 master weights (Megatron's `--bf16` scheme, the default),
+or pure (`train.master_weights=false`: parameters, gradients and AdamW state all bf16, as HF
+models trained with `.bfloat16()`; less memory, less precise updates).
+
+Masters:
 
 The model computes with bf16 parameters; every trainable one has an fp32 master, which is the
 parameter object the optimizer was built over. Each micro-batch's bf16 gradient is added into
@@ -45,7 +49,7 @@ class MasterWeights:
             torch._foreach_copy_(lows, masters)
 
     @contextmanager
-    def masters_in_model(self):
+    def fp32_view(self):
         """The masters stand in the model's parameter slots (checkpoint I/O sees fp32 weights
         and the optimizer's own parameter objects); the bf16 copies are refreshed after."""
         for module, name, _, master in self.slots:
@@ -56,6 +60,35 @@ class MasterWeights:
             for module, name, low, _ in self.slots:
                 module._parameters[name] = low
             self.copy_to_model()
+
+
+class PureLowPrecision:
+    """Every parameter (and, once created, its AdamW state) in the low dtype; checkpoints still
+    read and write fp32 tensors, so the format does not depend on the run's precision."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+        self.params = list({id(p): p for p in model.parameters()}.values())
+        self.optimizer = optimizer
+        self.dtype = dtype
+        self._cast(dtype)
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        for p in self.params:
+            p.data = p.data.to(dtype)
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.is_floating_point() and k != "step":
+                    self.optimizer.state[p][k] = v.to(dtype)
+
+    def copy_to_model(self) -> None:
+        """Nothing to copy: the optimizer steps the parameters themselves."""
+
+    @contextmanager
+    def fp32_view(self):
+        self._cast(torch.float32)
+        try:
+            yield
+        finally:
+            self._cast(self.dtype)
 
 
 def _into_master(master: torch.nn.Parameter):

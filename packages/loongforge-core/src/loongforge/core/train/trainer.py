@@ -24,7 +24,7 @@ from loongforge.core.parallel import on_rank0
 from loongforge.core.train.lr import lr_at
 from loongforge.core.train.metrics import Metrics
 from loongforge.core.train.pipeline import forward_backward
-from loongforge.core.train.precision import MasterWeights, resolve_params_dtype
+from loongforge.core.train.precision import MasterWeights, PureLowPrecision, resolve_params_dtype
 
 
 class TrainingStopped(UserError):
@@ -84,7 +84,7 @@ class Trainer:
         self._stop_signal: int | None = None
         self._select = None
         self.params_dtype = resolve_params_dtype(train_cfg.params_dtype, acc)
-        self.masters: MasterWeights | None = None
+        self.low_precision: MasterWeights | PureLowPrecision | None = None
 
     def _trainable_names(self, model) -> None:
         if self.hooks.save_trainable_only:
@@ -179,7 +179,7 @@ class Trainer:
         return state
 
     def _fp32_view(self):
-        return self.masters.masters_in_model() if self.masters is not None else contextlib.nullcontext()
+        return self.low_precision.fp32_view() if self.low_precision is not None else contextlib.nullcontext()
 
     # ---- loop --------------------------------------------------------------------------
     def evaluate(self, model) -> float | None:
@@ -229,10 +229,11 @@ class Trainer:
         elif self.hooks.initial_weights is not None:
             self.hooks.initial_weights(model)
         # the optimizer holds the fp32 parameters it was built over: with low-precision params
-        # they become the masters (loaded above at full precision)
+        # they become the masters (loaded above at full precision), or are cast themselves
         trained = [p for g in optimizer.param_groups for p in g["params"]]
         if self.params_dtype != torch.float32:
-            self.masters = MasterWeights(model, self.params_dtype)
+            self.low_precision = (MasterWeights(model, self.params_dtype) if cfg.master_weights
+                                  else PureLowPrecision(model, optimizer, self.params_dtype))
         model.train()
         old_handlers = self._install_signals()
         metrics = Metrics(self.run_dir, cfg.train_iters, state["step"], enabled=self.rank0)
@@ -262,8 +263,8 @@ class Trainer:
                     for g in optimizer.param_groups:
                         g["lr"] = lr
                     optimizer.step()
-                    if self.masters is not None:
-                        self.masters.copy_to_model()
+                    if self.low_precision is not None:
+                        self.low_precision.copy_to_model()
                     state["optimizer_steps"] += 1
                 else:
                     state["bad_steps"] += 1
