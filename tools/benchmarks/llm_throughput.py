@@ -15,6 +15,7 @@ Setups:
   installed), core's forward_backward, gradient clipping, fused AdamW.
 - `loongforge trainer (pure bf16)`: the same with `train.master_weights=false`: bf16 parameters,
   gradients and AdamW state, the precision of the HF and megatron baselines below.
+- `... + recompute`: full activation recompute (`train.recompute=true`), one layer at a time.
 - `loongforge trainer (reference ops)`: the same step with core's plain-torch op references.
 - `loongforge fp32 params + autocast`: the previous default (fp32 parameters, bf16 autocast),
   GPU op table.
@@ -43,7 +44,7 @@ def parse():
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--recompute", action="store_true", help="full activation recompute (ours) / gradient checkpointing (HF)")
+    p.add_argument("--hf-checkpointing", action="store_true", help="HF setups use gradient checkpointing (ours: the '+ recompute' setups)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--setups", default="loongforge trainer,loongforge trainer (pure bf16),loongforge trainer (reference ops),loongforge fp32 params + autocast,"
@@ -174,12 +175,13 @@ def main():
     fpt = mcfg.flops_per_token(a.seq)
     peak = 989e12
     builders = {
-        "loongforge trainer": lambda: loongforge_step(mcfg, tokens, "masters", True, a.recompute),
-        "loongforge trainer (pure bf16)": lambda: loongforge_step(mcfg, tokens, "pure", True, a.recompute),
-        "loongforge trainer (reference ops)": lambda: loongforge_step(mcfg, tokens, "masters", False, a.recompute),
-        "loongforge fp32 params + autocast": lambda: loongforge_step(mcfg, tokens, "fp32", True, a.recompute),
-        "hf eager": lambda: hf_step(mcfg, tokens, compile_=False, checkpointing=a.recompute),
-        "hf compile": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.recompute),
+        "loongforge trainer": lambda: loongforge_step(mcfg, tokens, "masters", True),
+        "loongforge trainer (pure bf16)": lambda: loongforge_step(mcfg, tokens, "pure", True),
+        "loongforge trainer (pure bf16) + recompute": lambda: loongforge_step(mcfg, tokens, "pure", True, recompute=True),
+        "loongforge trainer (reference ops)": lambda: loongforge_step(mcfg, tokens, "masters", False),
+        "loongforge fp32 params + autocast": lambda: loongforge_step(mcfg, tokens, "fp32", True),
+        "hf eager": lambda: hf_step(mcfg, tokens, compile_=False, checkpointing=a.hf_checkpointing),
+        "hf compile": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.hf_checkpointing),
         "megatron local spec": lambda: megatron_local_step(mcfg, tokens),
     }
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, params {mcfg.num_params() / 1e9:.3f}B, "
