@@ -78,3 +78,21 @@ def hf_llama4(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("hf_llama4")
     make_hf_model("llama", d, num_hidden_layers=4)
     return d
+
+
+# Six alpaca rows of the tiny tokenizer's vocabulary, for the SFT and LoRA tests.
+SFT_ROWS = [
+    {"instruction": "What is one plus two?", "output": "one plus two is three."},
+    {"instruction": "Ada gave the kite to Ben. Who has the kite?", "output": "Ben has the kite."},
+    {"instruction": "What is four plus one?", "input": "count on your fingers", "output": "four plus one is five."},
+    {"instruction": "What is zero plus zero?", "output": "zero."},
+    {"instruction": "Cleo gave the lamp to Dev. Who has the lamp?", "output": "Dev has the lamp, since Cleo gave it away."},
+    {"instruction": "What is two plus two?", "output": "two plus two is four."},
+]
+
+
+@pytest.fixture(scope="session")
+def rows_file(tmp_path_factory) -> Path:
+    f = tmp_path_factory.mktemp("sft_rows") / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in SFT_ROWS))
+    return f

@@ -9,25 +9,10 @@ import torch
 
 from conftest import losses, run_cli
 
-ROWS = [
-    {"instruction": "What is one plus two?", "output": "one plus two is three."},
-    {"instruction": "Ada gave the kite to Ben. Who has the kite?", "output": "Ben has the kite."},
-    {"instruction": "What is four plus one?", "input": "count on your fingers", "output": "four plus one is five."},
-    {"instruction": "What is zero plus zero?", "output": "zero."},
-    {"instruction": "Cleo gave the lamp to Dev. Who has the lamp?", "output": "Dev has the lamp, since Cleo gave it away."},
-    {"instruction": "What is two plus two?", "output": "two plus two is four."},
-]
 # constant LR (so a run cut short and resumed follows the same schedule), no dropout (so
 # layouts can be compared), every linear, global batch = all six samples packed
 COMMON = ["train.lr_warmup_iters=0", "train.lr=5e-3", "train.min_lr=5e-3", "train.log_interval=1", "data.seq_length=128",
           "lora.dropout=0.0", "lora.rank=4", "lora.alpha=8", "train.micro_batch_size=1", "train.global_batch_size=3"]
-
-
-@pytest.fixture(scope="module")
-def rows_file(tmp_path_factory):
-    f = tmp_path_factory.mktemp("lora_rows") / "rows.jsonl"
-    f.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    return f
 
 
 def _lora(rows_file, run_dir, base, *extra, nproc=1):

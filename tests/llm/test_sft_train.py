@@ -5,27 +5,11 @@ import json
 
 import pytest
 
-from conftest import losses, run_cli
+from conftest import SFT_ROWS as ROWS, losses, run_cli
 
 pytestmark = pytest.mark.slow
 
-ROWS = [
-    {"instruction": "What is one plus two?", "output": "one plus two is three."},
-    {"instruction": "Ada gave the kite to Ben. Who has the kite?", "output": "Ben has the kite."},
-    {"instruction": "What is four plus one?", "input": "count on your fingers", "output": "four plus one is five."},
-    {"instruction": "What is zero plus zero?", "output": "zero."},
-    {"instruction": "Cleo gave the lamp to Dev. Who has the lamp?", "output": "Dev has the lamp, since Cleo gave it away."},
-    {"instruction": "What is two plus two?", "output": "two plus two is four."},
-]
 COMMON = ["train.lr_warmup_iters=0", "train.lr=5e-3", "train.min_lr=5e-3", "train.log_interval=1", "checkpoint.export_hf=false", "data.seq_length=128"]
-
-
-@pytest.fixture(scope="module")
-def rows_file(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sft")
-    f = d / "rows.jsonl"
-    f.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    return f
 
 
 def _num_packs(rows_file):

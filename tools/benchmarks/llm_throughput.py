@@ -27,6 +27,7 @@ Setups:
 from __future__ import annotations
 
 import argparse
+import logging
 import gc
 import json
 import time
@@ -163,6 +164,7 @@ def hf_step(mcfg, tokens, compile_: bool, checkpointing: bool = False):
 
 def main():
     a = parse()
+    logging.getLogger("megatron").setLevel(logging.ERROR)  # megatron logs one line per layer about our MLP spec
     from loongforge.core.foundation.spec import ModelConfig
 
     mcfg = ModelConfig(

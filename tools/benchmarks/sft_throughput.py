@@ -24,6 +24,7 @@ setup (the HF default), fused AdamW, grad clipping 1.0.
 from __future__ import annotations
 
 import argparse
+import logging
 import gc
 import json
 import random
@@ -103,6 +104,7 @@ def loongforge_setup(mcfg, batches, packed: bool):
 
 def main():
     a = parse()
+    logging.getLogger("megatron").setLevel(logging.ERROR)  # megatron logs one line per layer about our MLP spec
     from loongforge.core.data import best_fit_decreasing, pack_samples, packing_efficiency
     from loongforge.core.foundation.spec import ModelConfig
 

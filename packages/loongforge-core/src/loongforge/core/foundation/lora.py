@@ -143,7 +143,23 @@ def lora_linear_classes():
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    class LoRAColumnParallelLinear(ColumnParallelLinear):
+    class _Adapters:
+        """What both LoRA linears share: the merged weight and a checkpoint layout that shards
+        each adapter along the same TP axis as the part of the weight it updates."""
+
+        lora_axes: dict
+
+        def merged_weight(self) -> torch.Tensor:
+            return self.weight + self.lora_scale * (self.lora_b @ self.lora_a)
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            sd = self.state_dict(prefix="", keep_vars=True)
+            return make_sharded_tensors_for_checkpoint(sd, prefix, self.lora_axes, sharded_offsets, tp_group=self.tp_group,
+                                                       dp_cp_group=metadata["dp_cp_group"])
+
+    class LoRAColumnParallelLinear(_Adapters, ColumnParallelLinear):
+        lora_axes = {"weight": 0, "bias": 0, "lora_b": 0}
+
         def __init__(self, input_size, output_size, *, lora: LoRAConfig, lora_name: str, **kwargs):
             super().__init__(input_size, output_size, **kwargs)
             if self.gather_output:
@@ -156,16 +172,9 @@ def lora_linear_classes():
             h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
             return out + F.linear(h, self.lora_b) * self.lora_scale, bias
 
-        def merged_weight(self) -> torch.Tensor:
-            return self.weight + self.lora_scale * (self.lora_b @ self.lora_a)
+    class LoRARowParallelLinear(_Adapters, RowParallelLinear):
+        lora_axes = {"weight": 1, "lora_a": 1}
 
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            sd = self.state_dict(prefix="", keep_vars=True)
-            return make_sharded_tensors_for_checkpoint(
-                sd, prefix, {"weight": 0, "bias": 0, "lora_b": 0}, sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]
-            )
-
-    class LoRARowParallelLinear(RowParallelLinear):
         def __init__(self, input_size, output_size, *, lora: LoRAConfig, lora_name: str, **kwargs):
             super().__init__(input_size, output_size, **kwargs)
             if not self.input_is_parallel:
@@ -177,15 +186,6 @@ def lora_linear_classes():
             h = F.linear(self.lora_dropout(input_), self.lora_a)
             h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
             return out + F.linear(h, self.lora_b) * self.lora_scale, bias
-
-        def merged_weight(self) -> torch.Tensor:
-            return self.weight + self.lora_scale * (self.lora_b @ self.lora_a)
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            sd = self.state_dict(prefix="", keep_vars=True)
-            return make_sharded_tensors_for_checkpoint(
-                sd, prefix, {"weight": 1, "lora_a": 1}, sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]
-            )
 
     return LoRAColumnParallelLinear, LoRARowParallelLinear
 
