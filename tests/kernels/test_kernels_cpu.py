@@ -32,7 +32,7 @@ def _compare(kernel, reference, inputs, grad_out, tol=TOL):
         torch.testing.assert_close(a, b, **tol)
 
 
-@pytest.mark.parametrize("shape", [(3, 5, 40), (7, 100)])
+@pytest.mark.parametrize("shape", [(3, 5, 40), (7, 100), (40, 1000)])
 def test_rms_norm(shape):
     from loongforge.kernels.rms_norm import rms_norm
 
