@@ -58,6 +58,14 @@ def validate(cfg, mcfg: ModelConfig, tok, world: int) -> None:
     if cfg.data.seq_length > mcfg.max_position_embeddings:
         raise UserError(f"data.seq_length={cfg.data.seq_length} exceeds model.max_position_embeddings={mcfg.max_position_embeddings}")
     cfg.lora.validate()
+    if cfg.checkpoint.load_optimizer and (not cfg.checkpoint.load or hf_io.is_hf_dir(cfg.checkpoint.load)):
+        raise UserError("checkpoint.load_optimizer=true takes the optimizer state of a LoongForge checkpoint: set checkpoint.load to one (HF directories hold none)")
+    if cfg.checkpoint.load_optimizer:
+        step = find_checkpoint(cfg.checkpoint.load)
+        if step is not None and read_manifest(step)["trainer"]["optimizer_steps"] == 0:
+            raise UserError(f"{step} holds no optimizer state (no optimizer step was taken); drop checkpoint.load_optimizer")
+    if cfg.checkpoint.load_optimizer and cfg.lora.enabled:
+        raise UserError("checkpoint.load_optimizer=true cannot be combined with LoRA (the base checkpoint's optimizer state is for all weights)")
     if cfg.lora.enabled and not cfg.checkpoint.load:
         raise UserError("lora.rank > 0 trains adapters on frozen weights: set checkpoint.load to the base model (HF directory or LoongForge checkpoint)")
 
@@ -176,8 +184,10 @@ def train(cfg, make_data: Callable) -> dict:
     def build():
         return build_gpt_model(mcfg, ctx, ops, recompute=t.recompute, lora=lora).to(device)
 
-    def initial_weights(model):
-        """The starting weights (for LoRA: the frozen base, which its checkpoints do not hold)."""
+    def initial_weights(model, optimizer):
+        """The starting weights (for LoRA: the frozen base, which its checkpoints do not hold),
+        and with checkpoint.load_optimizer the AdamW state of the LoongForge checkpoint (returning
+        how many steps it has seen, for AdamW's bias correction after a resume)."""
         if source is None:
             return
         src = cfg.checkpoint.load
@@ -197,6 +207,11 @@ def train(cfg, make_data: Callable) -> dict:
             src = tmp
         step = find_checkpoint(src)
         on_rank0(lambda: verify_files(step))
+        if optimizer is not None and cfg.checkpoint.load_optimizer:
+            done = read_manifest(step)["trainer"]["optimizer_steps"]
+            # the moments keep their own bias-correction count; the run's step and LR schedule start at 0
+            load_megatron(step, model, optimizer, optimizer_steps=done)
+            return done
         load_megatron(step, model, select=lambda k: not is_adapter_key(k))
 
     def on_saved(step_dir: Path, final: bool):

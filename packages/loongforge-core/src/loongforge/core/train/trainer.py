@@ -41,7 +41,9 @@ class TrainHooks:
     tokens_per_step: int  # tokens in one global batch
     flops_per_token: float  # model FLOPs per trained token (forward + backward)
     eval_batches: Optional[Callable[[], Iterable[list[dict]]]] = None
-    initial_weights: Optional[Callable[[torch.nn.Module], None]] = None  # run unless resuming
+    # (model, optimizer): starting weights, and optionally optimizer state, then returns how many
+    # optimizer steps that state has seen (0 for none); run unless resuming
+    initial_weights: Optional[Callable[[torch.nn.Module, torch.optim.Optimizer], int]] = None
     on_saved: Optional[Callable[[Path, bool], None]] = None  # (step dir, final) on rank 0
     # Checkpoints hold only the trainable tensors (LoRA adapters); the frozen rest comes from
     # `initial_weights`, which then runs on resume too.
@@ -173,7 +175,8 @@ class Trainer:
         on_rank0(lambda: verify_files(step_dir))
         m = read_manifest(step_dir)
         state = m["trainer"]
-        load_megatron(step_dir, model, optimizer, optimizer_steps=state["optimizer_steps"], select=self._select)
+        adam_steps = state["optimizer_steps"] + state.get("inherited_optimizer_steps", 0)
+        load_megatron(step_dir, model, optimizer, optimizer_steps=adam_steps, select=self._select)
         rng = {k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8) for k, v in m["rng"].items()}
         self.acc.set_rng_state({k: v for k, v in rng.items() if k == "cpu" or self.acc.device_type == "cuda"})
         return state
@@ -222,12 +225,12 @@ class Trainer:
         state = {"step": 0, "optimizer_steps": 0, "consumed_samples": 0, "bad_steps": 0}
         if resume_from is not None:
             if self.hooks.save_trainable_only and self.hooks.initial_weights is not None:
-                self.hooks.initial_weights(model)
+                self.hooks.initial_weights(model, None)
             state = self.load(model, optimizer, resume_from)
             if self.rank0:
                 print(f"resumed from {resume_from} at step {state['step']}", flush=True)
         elif self.hooks.initial_weights is not None:
-            self.hooks.initial_weights(model)
+            state["inherited_optimizer_steps"] = self.hooks.initial_weights(model, optimizer) or 0
         # the optimizer holds the fp32 parameters it was built over: with low-precision params
         # they become the masters (loaded above at full precision), or are cast themselves
         trained = [p for g in optimizer.param_groups for p in g["params"]]
