@@ -60,11 +60,18 @@ def _as_sample(s: dict) -> dict:
     return {"tokens": torch.tensor(s["input_ids"][:-1]), "labels": torch.where(m, labels, torch.zeros_like(labels)), "loss_mask": m.float()}
 
 
-def tokenized_samples(d, tok, seed: int) -> tuple[list[dict], dict]:
-    """All samples of the mixture (each dataset resampled to its weight's share), in a seeded order."""
+def tokenized_samples(d, tok, seed: int, progress: bool = False) -> tuple[list[dict], dict]:
+    """All samples of the mixture (each dataset resampled to its weight's share), in a seeded
+    order; `progress` shows a bar per dataset."""
+    from tqdm import tqdm
+
     _check_datasets(d)
     st = sft_tokenizer(d, tok)
-    per_set = [[_as_sample(s) for s in st.tokenize_rows(_rows(ds.path), ds.format, ds.keys, d.on_bad_sample)] for ds in d.datasets]
+    per_set = []
+    for ds in d.datasets:
+        rows = _rows(ds.path)
+        rows = tqdm(rows, total=len(rows), desc=f"tokenize {ds.path}", unit="row", mininterval=1.0, disable=not progress)
+        per_set.append([_as_sample(s) for s in st.tokenize_rows(rows, ds.format, ds.keys, d.on_bad_sample)])
     rng = random.Random(seed)
     total = sum(len(s) for s in per_set)
     wsum = sum(ds.weight for ds in d.datasets)
@@ -100,7 +107,7 @@ def write_prepacked(d, tok, out_dir, seed: int = 1234) -> dict:
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out}: output directory exists and is not empty; choose a new one")
-    samples, stats = tokenized_samples(d, tok, seed)
+    samples, stats = tokenized_samples(d, tok, seed, progress=True)
     packs, eff = make_packs(samples, d, _pad_id(tok))
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
