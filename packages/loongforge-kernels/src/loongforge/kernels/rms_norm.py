@@ -20,7 +20,7 @@ MAX_HIDDEN = 65536
 
 
 @triton.jit
-def _fwd(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_fwd(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -37,7 +37,7 @@ def _fwd(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, N, eps, HA
 
 
 @triton.jit
-def _bwd(DY, X, W, RSTD, DX, DS, DW, stride_dy, stride_x, stride_dx, stride_ds, M, N, rows_per_program,
+def _rms_norm_bwd(DY, X, W, RSTD, DX, DS, DW, stride_dy, stride_x, stride_dx, stride_ds, M, N, rows_per_program,
          HAS_DS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -78,7 +78,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(n)
         if m:
-            _fwd[(m,)](x2, r2 if r2 is not None else x2, weight, y, s if s is not None else x2, rstd,
+            _rms_norm_fwd[(m,)](x2, r2 if r2 is not None else x2, weight, y, s if s is not None else x2, rstd,
                        x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), s.stride(0) if s is not None else 0,
                        n, eps, HAS_RES=residual is not None, BLOCK=block, num_warps=warps_for(block))
         ctx.save_for_backward(s if s is not None else x2, weight, rstd)
@@ -97,7 +97,7 @@ class _RMSNorm(torch.autograd.Function):
         dw_part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)
         block = triton.next_power_of_2(n)
         if m:
-            _bwd[(progs,)](dy2, x2, weight, rstd, dx, ds2 if ds2 is not None else dy2, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0),
+            _rms_norm_bwd[(progs,)](dy2, x2, weight, rstd, dx, ds2 if ds2 is not None else dy2, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0),
                            ds2.stride(0) if ds2 is not None else 0, m, n, triton.cdiv(m, progs),
                            HAS_DS=ds2 is not None, BLOCK=block, num_warps=warps_for(block))
         dw = dw_part.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)

@@ -17,7 +17,7 @@ BLOCK = 1024
 
 
 @triton.jit
-def _fwd(GU, OUT, stride_gu, stride_o, F, BLOCK: tl.constexpr):
+def _swiglu_fwd(GU, OUT, stride_gu, stride_o, F, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
@@ -28,7 +28,7 @@ def _fwd(GU, OUT, stride_gu, stride_o, F, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bwd(GU, DOUT, DGU, stride_gu, stride_do, stride_dgu, F, BLOCK: tl.constexpr):
+def _swiglu_bwd(GU, DOUT, DGU, stride_gu, stride_do, stride_dgu, F, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
@@ -53,7 +53,7 @@ class _SwiGLU(torch.autograd.Function):
             gu = gu.contiguous()
         out = torch.empty((gu.shape[0], f), dtype=gate_up.dtype, device=gate_up.device)
         if gu.shape[0]:
-            _fwd[(gu.shape[0], triton.cdiv(f, BLOCK))](gu, out, gu.stride(0), out.stride(0), f, BLOCK=BLOCK, num_warps=4)
+            _swiglu_fwd[(gu.shape[0], triton.cdiv(f, BLOCK))](gu, out, gu.stride(0), out.stride(0), f, BLOCK=BLOCK, num_warps=4)
         ctx.save_for_backward(gu)
         ctx.shape = gate_up.shape
         return out.view(*gate_up.shape[:-1], f)
@@ -67,7 +67,7 @@ class _SwiGLU(torch.autograd.Function):
             d = d.contiguous()
         dgu = torch.empty_like(gu)
         if gu.shape[0]:
-            _bwd[(gu.shape[0], triton.cdiv(f, BLOCK))](gu, d, dgu, gu.stride(0), d.stride(0), dgu.stride(0), f, BLOCK=BLOCK, num_warps=4)
+            _swiglu_bwd[(gu.shape[0], triton.cdiv(f, BLOCK))](gu, d, dgu, gu.stride(0), d.stride(0), dgu.stride(0), f, BLOCK=BLOCK, num_warps=4)
         return dgu.view(ctx.shape)
 
 
