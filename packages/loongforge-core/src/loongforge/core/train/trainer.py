@@ -210,7 +210,7 @@ class Trainer:
             mbs,
             self.ctx,
             self.hooks.act_shape,
-            torch.float32,
+            self.params_dtype,  # activations between pipeline stages travel in the parameters' dtype
             self.acc.device(),
             self.acc.autocast,
             forward_only=forward_only,
