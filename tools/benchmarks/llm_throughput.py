@@ -35,14 +35,26 @@ import time
 import torch
 
 
-def parse():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model shape every benchmark script takes (default: the 1.3B Llama-style config)."""
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
     p.add_argument("--ffn", type=int, default=5632)
     p.add_argument("--vocab", type=int, default=32000)
+
+
+def model_config(a, max_positions: int):
+    from loongforge.core.foundation.spec import ModelConfig
+
+    return ModelConfig(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                       num_query_groups=a.kv_heads or a.heads, ffn_hidden_size=a.ffn, vocab_size=a.vocab, max_position_embeddings=max_positions)
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--hf-checkpointing", action="store_true", help="HF setups use gradient checkpointing (ours: the '+ recompute' setups)")
@@ -165,12 +177,8 @@ def hf_step(mcfg, tokens, compile_: bool, checkpointing: bool = False):
 def main():
     a = parse()
     logging.getLogger("megatron").setLevel(logging.ERROR)  # megatron logs one line per layer about our MLP spec
-    from loongforge.core.foundation.spec import ModelConfig
 
-    mcfg = ModelConfig(
-        family="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, num_query_groups=a.kv_heads or a.heads,
-        ffn_hidden_size=a.ffn, vocab_size=a.vocab, max_position_embeddings=a.seq,
-    )
+    mcfg = model_config(a, a.seq)
     torch.manual_seed(0)
     tokens = torch.randint(0, a.vocab, (a.micro_batch, a.seq), device="cuda")
     tok_per_step = a.micro_batch * a.seq

@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llm_throughput import loongforge_step  # noqa: E402
+from llm_throughput import add_model_args, loongforge_step, model_config  # noqa: E402
 
 KINDS = (  # first match wins
     ("matmul (cuBLAS/CUTLASS)", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
@@ -38,21 +38,14 @@ def kind_of(name: str) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_args(p)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--precision", default="masters", choices=["masters", "pure", "fp32"])
     p.add_argument("--steps", type=int, default=3)
     a = p.parse_args()
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    from loongforge.core.foundation.spec import ModelConfig
-
-    mcfg = ModelConfig(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, num_query_groups=a.heads,
-                       ffn_hidden_size=a.ffn, vocab_size=a.vocab, max_position_embeddings=a.seq)
+    mcfg = model_config(a, a.seq)
     tokens = torch.randint(0, a.vocab, (a.micro_batch, a.seq), device="cuda")
     step, keep = loongforge_step(mcfg, tokens, a.precision, kernels=True)
     for _ in range(3):

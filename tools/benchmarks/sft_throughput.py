@@ -34,16 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llm_throughput import hf_step, timed  # noqa: E402
+from llm_throughput import add_model_args, hf_step, model_config, timed  # noqa: E402
 
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_args(p)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--pack-len", type=int, default=8192)
     p.add_argument("--micro-batch", type=int, default=4)
@@ -106,10 +102,8 @@ def main():
     a = parse()
     logging.getLogger("megatron").setLevel(logging.ERROR)  # megatron logs one line per layer about our MLP spec
     from loongforge.core.data import best_fit_decreasing, pack_samples, packing_efficiency
-    from loongforge.core.foundation.spec import ModelConfig
 
-    mcfg = ModelConfig(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, num_query_groups=a.heads,
-                       ffn_hidden_size=a.ffn, vocab_size=a.vocab, max_position_embeddings=a.pack_len)
+    mcfg = model_config(a, a.pack_len)
     samples = make_samples(a.samples, a.max_len, a.vocab)
     order = list(range(len(samples)))
     random.Random(1).shuffle(order)
