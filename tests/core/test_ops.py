@@ -114,7 +114,7 @@ def test_model_computes_through_the_op_table():
     """Every op the model uses comes from the table it was built with (no hidden fallback)."""
     from collections import Counter
 
-    from loongforge.core.foundation.families import QWEN3
+    from loongforge.core.foundation.families import LLAMA, QWEN3
     from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
     from loongforge.core.parallel import init_parallel
 
@@ -131,8 +131,13 @@ def test_model_computes_through_the_op_table():
     ctx = init_parallel(1, 1, "gloo", "cpu")
     model = build_gpt_model(QWEN3.resolve(ModelConfig(num_layers=2)), ctx, OpTable(impls))
     model(torch.randint(0, 256, (1, 8)), None, None)
-    # per layer: 2 norms + q/k norms, 2 rope calls, 1 attention, 1 swiglu; plus the final norm
+    # per layer: 2 norms + q/k norms, 2 rope calls (q/k norms keep megatron's split), 1 attention, 1 swiglu; plus the final norm
     assert calls == Counter({"rms_norm": 2 * 4 + 1, "rope": 4, "attention": 2, "swiglu": 2})
+    calls.clear()
+    llama = build_gpt_model(LLAMA.resolve(ModelConfig(num_layers=2)), ctx, OpTable(impls))
+    llama(torch.randint(0, 256, (1, 8)), None, None)
+    # without q/k norms the split and rotation are one fused call per layer
+    assert calls == Counter({"rms_norm": 2 * 2 + 1, "qkv_rope": 2, "attention": 2, "swiglu": 2})
 
 
 def test_op_table_picks_the_fastest_implementation_for_the_device():

@@ -81,6 +81,20 @@ def test_rope_gpu(dtype, interleaved, b, s, h, d, rot):
     check(lambda a: rope(a, pos, inv, interleaved), lambda a: ref.rope(a, pos, inv, interleaved), [x], torch.randn(b, s, h, d, device="cuda"))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+@pytest.mark.parametrize("s,b,g,r,d,rot", [(7, 2, 3, 1, 64, 64), (2048, 4, 16, 1, 128, 128), (33, 1, 2, 4, 96, 48)])
+def test_qkv_rope_gpu(dtype, layout, s, b, g, r, d, rot, monkeypatch):
+    from loongforge.kernels import qkv_rope as kernel
+
+    monkeypatch.setattr(kernel, "LAYOUT", layout)
+    mixed = torch.randn(s, b, g, (r + 2) * d, device="cuda", dtype=dtype)
+    inv = ref.rope_inv_freq(rot, 500000.0).cuda()
+    pos = torch.arange(s, device="cuda")
+    grads = tuple(torch.randn(s, b, n, d, device="cuda") for n in (g * r, g, g))
+    check(lambda m: kernel.qkv_rope(m, pos, inv, r), lambda m: ref.qkv_rope(m, pos, inv, r), [mixed], grads)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,h,v", [(7, 1000, 1003), (4096, 2048, 32000)])
 def test_linear_cross_entropy_gpu(dtype, n, h, v):

@@ -5,10 +5,14 @@ kernel where one exists. Forward + backward, bf16.
     python tools/benchmarks/kernels.py                # every kernel at every benchmark shape
     python tools/benchmarks/kernels.py --only rms_norm --quick
 
-Memory-bound kernels report achieved GB/s (bytes: each input read once and each output written
-once, forward + backward) against a device-to-device copy measured here; times are medians of
-CUDA-event timings (triton.testing.do_bench) with fresh inputs per shape. The fused linear
-cross-entropy reports time and extra peak memory (peak minus what the inputs hold).
+Every setup is timed twice: `ms` launches from Python each time (triton.testing.do_bench, median
+of CUDA-event timings: at small shapes this is the CPU's launch time, which Python autograd
+Functions pay more than torch's C++ ops), and `graph ms` replays the same forward + backward from
+a CUDA graph (triton.testing.do_bench_cudagraph: GPU time only, what a step that keeps the GPU
+busy sees). Memory-bound kernels report achieved GB/s from the graph time (bytes: each input read
+once and each output written once, forward + backward) against a device-to-device copy of 1 GiB
+measured here. The fused linear cross-entropy reports time and extra peak memory (peak minus what
+the inputs hold).
 """
 
 from __future__ import annotations
@@ -25,6 +29,23 @@ from loongforge.core.ops import reference as ref
 
 def bench(fn, warmup=25, rep=100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def bench_graph(fn) -> float | None:
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as e:  # a setup that cannot be captured keeps its eager timing only
+        print(f"  (no CUDA graph timing: {type(e).__name__}: {str(e).splitlines()[0][:120]})", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def row(kernel, shape, name, step, nbytes, copy_gbs) -> dict:
+    ms = bench(step)
+    gms = bench_graph(step)
+    t = gms if gms is not None else ms
+    return {"kernel": kernel, "shape": shape, "setup": name, "ms": ms, "graph ms": gms,
+            "GB/s": nbytes / t / 1e6, "of copy": nbytes / t / 1e6 / copy_gbs}
 
 
 def copy_bandwidth() -> float:
@@ -70,9 +91,7 @@ def rms_norm_rows(shapes, copy_gbs):
             setups["liger"] = lambda a, b: liger(a)
         nbytes = 5 * tokens * hidden * 2
         for name, fn in setups.items():
-            ms = bench(fwd_bwd(fn, [x, w], g))
-            rows.append({"kernel": "rms_norm fwd+bwd", "shape": f"{tokens}x{hidden}", "setup": name, "ms": ms,
-                         "GB/s": nbytes / ms / 1e6, "of copy": nbytes / ms / 1e6 / copy_gbs})
+            rows.append(row("rms_norm fwd+bwd", f"{tokens}x{hidden}", name, fwd_bwd(fn, [x, w], g), nbytes, copy_gbs))
     return rows
 
 
@@ -89,9 +108,7 @@ def swiglu_rows(shapes, copy_gbs):
             setups["liger"] = lambda a: lig.apply(a[:, :ffn], a[:, ffn:])
         nbytes = (2 + 1 + 2 + 1 + 2) * tokens * ffn * 2  # fwd: read gate+up, write out; bwd: read gate+up+dout, write 2
         for name, fn in setups.items():
-            ms = bench(fwd_bwd(fn, [x], g))
-            rows.append({"kernel": "swiglu fwd+bwd", "shape": f"{tokens}x{ffn}", "setup": name, "ms": ms,
-                         "GB/s": nbytes / ms / 1e6, "of copy": nbytes / ms / 1e6 / copy_gbs})
+            rows.append(row("swiglu fwd+bwd", f"{tokens}x{ffn}", name, fwd_bwd(fn, [x], g), nbytes, copy_gbs))
     return rows
 
 
@@ -108,9 +125,64 @@ def rope_rows(shapes, copy_gbs):
                   "eager reference": lambda a: ref.rope(a, pos, inv)}
         nbytes = 4 * x.numel() * 2
         for name, fn in setups.items():
-            ms = bench(fwd_bwd(fn, [x], g))
-            rows.append({"kernel": "rope fwd+bwd", "shape": f"{b}x{s}x{h}x{d}", "setup": name, "ms": ms,
-                         "GB/s": nbytes / ms / 1e6, "of copy": nbytes / ms / 1e6 / copy_gbs})
+            rows.append(row("rope fwd+bwd", f"{b}x{s}x{h}x{d}", name, fwd_bwd(fn, [x], g), nbytes, copy_gbs))
+    return rows
+
+
+def qkv_rope_rows(shapes, copy_gbs):
+    """megatron's q/k/v split + RoPE on q and k: the fused kernel against the split views with
+    our RoPE kernel (the unfused model path; its backward concatenates the three gradients) and
+    torch.compile / eager of the reference."""
+    from loongforge.kernels.qkv_rope import qkv_rope
+    from loongforge.kernels.rope import rope
+
+    def split_then_rope(m, pos, inv, r):
+        s, b, g, w = m.shape
+        d = w // (r + 2)
+        q, k, v = torch.split(m, [r * d, d, d], dim=3)
+        q = rope(q.reshape(s, b, g * r, d).transpose(0, 1), pos, inv)
+        return q, rope(k.transpose(0, 1), pos, inv), v
+
+    rows = []
+    for s, b, g, r, d in shapes:
+        m = torch.randn(s, b, g, (r + 2) * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        inv = ref.rope_inv_freq(d, 500000.0).cuda()
+        pos = torch.arange(s, device="cuda")
+        setups = {"loongforge fused": lambda t: qkv_rope(t, pos, inv, r), "split + loongforge rope": lambda t: split_then_rope(t, pos, inv, r),
+                  "torch.compile(reference)": torch.compile(lambda t: ref.qkv_rope(t, pos, inv, r), dynamic=False),
+                  "eager reference": lambda t: ref.qkv_rope(t, pos, inv, r)}
+        nbytes = 4 * m.numel() * 2  # fwd: read the projection, write q/k/v; bwd: the same back
+
+        for name, fn in setups.items():
+            def step(fn=fn):
+                m.grad = None
+                outs = fn(m)
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            rows.append(row("qkv split+rope fwd+bwd", f"{s}x{b}x{g}x({r}+2)x{d}", name, step, nbytes, copy_gbs))
+    return rows
+
+
+def attention_layout_rows(shapes):
+    """Attention (torch SDPA, causal) forward + backward with q/k/v stored seq-major ([s, b, h, d],
+    megatron's order) or batch-major ([b, s, h, d]), including the output's way back to
+    [s, b, h*d]: which layout the fused q/k/v kernel should write."""
+    import torch.nn.functional as F
+
+    rows = []
+    for s, b, h, d in shapes:
+        for layout in ("sbhd", "bshd"):
+            def make():
+                t = torch.randn((s, b, h, d) if layout == "sbhd" else (b, s, h, d), device="cuda", dtype=torch.bfloat16)
+                return (t if layout == "sbhd" else t.transpose(0, 1)).requires_grad_(True)
+            q, k, v = make(), make(), make()
+            g = torch.randn(s, b, h * d, device="cuda", dtype=torch.bfloat16)
+
+            def step():
+                for t in (q, k, v):
+                    t.grad = None
+                out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True)
+                out.permute(2, 0, 1, 3).reshape(s, b, h * d).backward(g)
+            rows.append({"kernel": "attention fwd+bwd", "shape": f"{b}x{s}x{h}x{d}", "setup": f"q/k/v {layout}", "ms": bench(step), "graph ms": bench_graph(step)})
     return rows
 
 
@@ -151,7 +223,7 @@ def linear_ce_rows(n=16384, h=4096, v=128256):
         torch.cuda.synchronize()
         extra = (torch.cuda.max_memory_allocated() - base) / 2**30
         ms = bench(run, warmup=3, rep=20)
-        rows.append({"kernel": "linear+CE fwd+bwd", "shape": f"{n}x{h}x{v}", "setup": name, "ms": ms, "extra GiB": extra})
+        rows.append({"kernel": "linear+CE fwd+bwd", "shape": f"{n}x{h}x{v}", "setup": name, "ms": ms, "graph ms": None, "extra GiB": extra})
     hid.grad = None
     w.grad = None
     return rows
@@ -159,7 +231,7 @@ def linear_ce_rows(n=16384, h=4096, v=128256):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="rms_norm,swiglu,rope,linear_ce")
+    p.add_argument("--only", default="rms_norm,swiglu,rope,qkv_rope,attention_layout,linear_ce")
     p.add_argument("--quick", action="store_true", help="one small shape per kernel")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -175,14 +247,19 @@ def main():
         rows += swiglu_rows([(t, f) for t in (8192, 32768) for f in (5632, 14336)] if not a.quick else [(8192, 5632)], copy_gbs)
     if "rope" in only:
         rows += rope_rows([(4, 2048, 16, 128), (1, 8192, 32, 128)] if not a.quick else [(4, 2048, 16, 128)], copy_gbs)
+    if "qkv_rope" in only:
+        rows += qkv_rope_rows([(2048, 4, 16, 1, 128), (4096, 1, 8, 4, 128)] if not a.quick else [(2048, 4, 16, 1, 128)], copy_gbs)
+    if "attention_layout" in only:
+        rows += attention_layout_rows([(2048, 4, 16, 128)] if not a.quick else [(512, 2, 4, 64)])
     if "linear_ce" in only:
         rows += linear_ce_rows() if not a.quick else linear_ce_rows(2048, 1024, 32000)
-    print("\n| kernel | shape | setup | ms | GB/s | of copy | extra GiB |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| kernel | shape | setup | ms | graph ms | GB/s | of copy | extra GiB |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        gms = f"{r['graph ms']:.3f}" if r.get("graph ms") is not None else ""
         gbs = f"{r['GB/s']:.0f}" if "GB/s" in r else ""
         frac = f"{100 * r['of copy']:.0f}%" if "of copy" in r else ""
         mem = f"{r['extra GiB']:.2f}" if "extra GiB" in r else ""
-        print(f"| {r['kernel']} | {r['shape']} | {r['setup']} | {r['ms']:.3f} | {gbs} | {frac} | {mem} |")
+        print(f"| {r['kernel']} | {r['shape']} | {r['setup']} | {r['ms']:.3f} | {gms} | {gbs} | {frac} | {mem} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "copy_GBs": copy_gbs, "rows": rows}, f, indent=1)

@@ -24,7 +24,7 @@ KINDS = (  # first match wins
     ("matmul (cuBLAS/CUTLASS)", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
     ("attention (flash/SDPA)", ("flash", "fmha", "attention", "attn")),
     ("optimizer (AdamW, grad norm, copies)", ("adam", "multi_tensor", "foreach", "norm_kernel", "lpnorm")),
-    ("loongforge Triton kernels", ("_rms_norm_", "_swiglu_", "_rope", "_ce_rows", "_gather", "_combine")),
+    ("loongforge Triton kernels", ("_rms_norm_", "_swiglu_", "_rope", "_qkv_rope", "_ce_rows", "_gather", "_combine")),
 )
 
 
@@ -69,6 +69,27 @@ def main():
     print("\n| kernel | kind | ms/step | calls/step |\n| --- | --- | --- | --- |")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
         print(f"| {e.key[:90]} | {kind_of(e.key)} | {e.self_device_time_total / 1e3 / a.steps:.2f} | {e.count // a.steps} |")
+    idle_gaps(prof, a.steps)
+
+
+def idle_gaps(prof, steps: int, top: int = 12) -> None:
+    """GPU idle time between consecutive kernels, and the largest gaps with the kernels around
+    them (a gap is the GPU waiting for the CPU to launch, or for a host sync)."""
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type.name == "CUDA" and "#" not in e.name), key=lambda k: k[0])
+    gaps, end, prev = [], None, ""
+    for start, stop, name in kernels:
+        if end is not None and start > end:
+            gaps.append((start - end, prev, name))
+        if end is None or stop > end:
+            end, prev = stop, name
+    idle = sum(g for g, _, _ in gaps) / 1e3
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3 if kernels else 0.0
+    print(f"\nGPU idle between kernels: {idle / steps:.1f} ms/step of {span / steps:.1f} ms/step spanned; "
+          f"{sum(1 for g in gaps if g[0] > 20) // steps} gaps over 20 us per step")
+    print("\n| gap us | after | before |\n| --- | --- | --- |")
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        print(f"| {g:.0f} | {a[:60]} | {b[:60]} |")
 
 
 if __name__ == "__main__":

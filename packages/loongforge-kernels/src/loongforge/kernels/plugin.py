@@ -5,13 +5,14 @@ TRITON_INTERPRET=1 by calling them directly)."""
 
 def register(reg) -> None:
     from loongforge.core.ops import OpImpl
-    from loongforge.kernels import linear_cross_entropy, moe_permute, rms_norm, rope, swiglu, varlen_attention
+    from loongforge.kernels import linear_cross_entropy, moe_permute, qkv_rope, rms_norm, rope, swiglu, varlen_attention
 
     cuda = ("cuda",)
     for op, fn in (
         ("rms_norm", rms_norm.rms_norm),
         ("add_rms_norm", rms_norm.add_rms_norm),
         ("rope", rope.rope),
+        ("qkv_rope", qkv_rope.qkv_rope),
         ("swiglu", swiglu.swiglu),
         ("linear_cross_entropy", linear_cross_entropy.linear_cross_entropy),
         ("moe_permute", moe_permute.moe_permute),

@@ -55,36 +55,98 @@ class RotarySDPAttention(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None:
-            return self._packed(query, key, value, packed_seq_params)
-        seq = query.shape[0]
-        positions = torch.arange(seq, device=query.device)
-        q = query.transpose(0, 1)  # [b, s, h, d]
-        k = key.transpose(0, 1)
-        v = value.transpose(0, 1)
+        """megatron's core-attention call: q/k/v [seq, batch, heads, head_dim] ([tokens, heads,
+        head_dim] packed), rotated here, then `attend`."""
         if self.inv_freq is not None:
-            q = self.ops.rope(q, positions, self.inv_freq)
-            k = self.ops.rope(k, positions, self.inv_freq)
-        out = self.ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, scale=self.softmax_scale)
+            if packed_seq_params is not None:
+                pos = self.packed_positions(packed_seq_params, query.shape[0])
+                query = self.ops.rope(query[None], pos, self.inv_freq)[0]
+                key = self.ops.rope(key[None], pos, self.inv_freq)[0]
+            else:
+                pos = torch.arange(query.shape[0], device=query.device)
+                query = self.ops.rope(query.transpose(0, 1), pos, self.inv_freq).transpose(0, 1)
+                key = self.ops.rope(key.transpose(0, 1), pos, self.inv_freq).transpose(0, 1)
+        return self.attend(query, key, value, packed_seq_params)
+
+    @staticmethod
+    def packed_positions(params, total: int) -> torch.Tensor:
+        """Per-token positions of a THD pack: they restart at every sample."""
+        from loongforge.core.ops.reference import positions_from_cu_seqlens
+
+        if params.qkv_format != "thd":
+            raise ValueError(f"packed sequences must use qkv_format='thd', got {params.qkv_format!r}")
+        return positions_from_cu_seqlens(_cu_seqlens(params), total)
+
+    def attend(self, q, k, v, packed_seq_params=None) -> torch.Tensor:
+        """Causal attention of rotated q/k/v, in any memory layout: [seq, batch, heads, head_dim]
+        -> [seq, batch, hidden]; packed, [tokens, heads, head_dim] -> [tokens, hidden] with
+        attention inside each sample."""
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"packed sequences must use qkv_format='thd', got {packed_seq_params.qkv_format!r}")
+            out = self.ops.varlen_attention(q, k, v, _cu_seqlens(packed_seq_params), self.softmax_scale, packed_seq_params.max_seqlen_q)
+            return out.reshape(q.shape[0], -1)
+        # [s, b, h, d] -> [b, h, s, d] views; attention's output takes q's memory layout, so
+        # the permute back to [s, b, h*d] is free when q is seq-major
+        out = self.ops.attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), causal=True, scale=self.softmax_scale)
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
-    def _packed(self, query, key, value, params):
-        """THD layout ([total, heads, head_dim], megatron squeezes the batch of 1): positions
-        restart per sample and attention stays inside each sample."""
-        if params.qkv_format != "thd":
-            raise ValueError(f"packed sequences must use qkv_format='thd', got {params.qkv_format!r}")
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        total = query.shape[0]
-        q, k = query, key
-        if self.inv_freq is not None:
-            from loongforge.core.ops.reference import positions_from_cu_seqlens
 
-            pos = positions_from_cu_seqlens(cu, total)
-            q = self.ops.rope(q[None], pos, self.inv_freq)[0]
-            k = self.ops.rope(k[None], pos, self.inv_freq)[0]
-        out = self.ops.varlen_attention(q, k, value, cu, self.softmax_scale, params.max_seqlen_q)
-        return out.reshape(total, -1)
+def _cu_seqlens(params) -> torch.Tensor:
+    return params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+
+
+@functools.cache
+def fused_qkv_attention_class():
+    """megatron-core's SelfAttention whose q/k/v split and rotary embedding are one op-table call
+    (`qkv_rope`) on the fused projection, feeding `RotarySDPAttention.attend`. Configurations the
+    fused path does not cover (q/k norms, output gate, fewer KV groups than TP ranks, attention
+    recompute or offload, inference, cross attention) run megatron's own forward unchanged.
+
+    A factory, so that importing this module does not import megatron-core.
+    """
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    class FusedQKVSelfAttention(SelfAttention):
+        def __init__(self, config, submodules, layer_number, attn_mask_type=None, ops: OpTable | None = None, **kwargs):
+            super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
+            self.ops = ops or OpTable()
+            core = self.core_attention
+            self.fused = (
+                isinstance(core, RotarySDPAttention) and core.inv_freq is not None
+                and all(n is None or isinstance(n, IdentityOp) for n in (self.q_layernorm, self.k_layernorm))
+                and not getattr(config, "attention_output_gate", False)
+                and not config.no_rope_freq
+                and config.num_query_groups >= self.world_size
+                and not self.checkpoint_core_attention
+                and not any(getattr(self, f, False) for f in ("offload_qkv_linear", "offload_core_attention", "offload_attn_proj"))
+            )
+
+        def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                    rotary_pos_emb=None, attention_bias=None, packed_seq_params=None, **kwargs):
+            special = (key_value_states, inference_context, rotary_pos_emb, attention_bias, *kwargs.values())
+            if not self.fused or any(x is not None for x in special):
+                return super().forward(hidden_states, attention_mask, key_value_states=key_value_states, inference_context=inference_context,
+                                       rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
+            mixed, _ = self.linear_qkv(hidden_states)
+            s, b = mixed.shape[:2]
+            groups = self.num_query_groups_per_partition
+            mixed = mixed.view(s, b, groups, -1)
+            core = self.core_attention
+            if packed_seq_params is not None:
+                positions = core.packed_positions(packed_seq_params, s)
+            else:
+                positions = torch.arange(s, device=mixed.device)
+            q, k, v = self.ops.qkv_rope(mixed, positions, core.inv_freq, self.num_attention_heads_per_partition // groups)
+            if packed_seq_params is not None:  # THD: megatron's batch of one is squeezed
+                out = core.attend(q[:, 0], k[:, 0], v[:, 0], packed_seq_params).reshape(s, 1, -1)
+            else:
+                out = core.attend(q, k, v)
+            return self.linear_proj(out)
+
+    return FusedQKVSelfAttention
 
 
 @functools.cache

@@ -124,7 +124,7 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
     (the final one too), the rotary attention core and the SwiGLU activation compute through the
     op table. Linears that `lora` (a LoRAConfig) targets get their LoRA class."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLPSubmodules
@@ -133,7 +133,7 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-    from loongforge.core.foundation.layers import RMSNorm, RotarySDPAttention, swiglu_mlp_class
+    from loongforge.core.foundation.layers import RMSNorm, RotarySDPAttention, fused_qkv_attention_class, swiglu_mlp_class
     from loongforge.core.foundation.lora import linear_spec
 
     rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
@@ -150,8 +150,8 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
             submodules=TransformerLayerSubmodules(
                 input_layernorm=norm,
                 self_attention=ModuleSpec(
-                    module=SelfAttention,
-                    params={"attn_mask_type": AttnMaskType.causal},
+                    module=fused_qkv_attention_class(),
+                    params={"attn_mask_type": AttnMaskType.causal, "ops": ops},
                     submodules=SelfAttentionSubmodules(
                         linear_qkv=linear("self_attention.linear_qkv", ColumnParallelLinear),
                         core_attention=ModuleSpec(module=RotarySDPAttention, params={"ops": ops, "inv_freq": inv_freq}),

@@ -79,6 +79,25 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inter
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
 
 
+def qkv_rope(mixed: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, q_per_group: int,
+             interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split megatron's fused q/k/v projection and rotate q and k (`rope`), in one op so that
+    fused implementations read the projection once and write its gradient in one piece.
+
+    mixed: [seq, batch, groups, (q_per_group + 2) * head_dim], each group laid out
+    [q_1 .. q_r | k | v] (megatron's GQA layout); positions: [batch, seq] or [seq].
+    Returns q [seq, batch, groups * q_per_group, head_dim], k and v [seq, batch, groups, head_dim];
+    their memory layout is the implementation's (only the values are specified).
+    """
+    s, b, g, width = mixed.shape
+    d = width // (q_per_group + 2)
+    q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=3)
+    q = q.reshape(s, b, g * q_per_group, d)
+    q = rope(q.transpose(0, 1), positions, inv_freq, interleaved).transpose(0, 1)
+    k = rope(k.transpose(0, 1), positions, inv_freq, interleaved).transpose(0, 1)
+    return q, k, v
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a [..., 2*ffn] tensor laid out [gate | up]: silu(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)

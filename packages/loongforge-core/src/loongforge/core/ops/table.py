@@ -12,6 +12,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "rms_norm": reference.rms_norm,
     "add_rms_norm": reference.add_rms_norm,
     "rope": reference.rope,
+    "qkv_rope": reference.qkv_rope,
     "swiglu": reference.swiglu,
     "attention": reference.attention,
     "varlen_attention": reference.varlen_attention,

@@ -130,14 +130,23 @@ class Trainer:
                 for g, f in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
                     g.copy_(f)
 
-    def _grad_norm(self, params) -> torch.Tensor:
+    @staticmethod
+    def _norm_params(params) -> list:
+        """The parameters whose gradients count once in the global norm: not the second copy of
+        a shared embedding, not a TP-duplicated (replicated) one on ranks other than TP rank 0."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        sq = torch.zeros((), dtype=torch.float32, device=self.acc.device())
-        for p in params:
-            if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                sq += p.grad.detach().float().pow(2).sum()
+        return [p for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+
+    def _grad_norm(self, params) -> torch.Tensor:
+        """Global L2 norm of the gradients: one fused per-tensor norm launch (fp32 accumulation,
+        bf16 gradients are read once and never copied), summed over model-parallel ranks."""
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        if grads:
+            sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+        else:
+            sq = torch.zeros((), dtype=torch.float32, device=self.acc.device())
         if self.ctx.tp_size * self.ctx.pp_size > 1:
             dist.all_reduce(sq, group=self.ctx.mp_group)
         return sq.sqrt()
@@ -234,6 +243,7 @@ class Trainer:
         # the optimizer holds the fp32 parameters it was built over: with low-precision params
         # they become the masters (loaded above at full precision), or are cast themselves
         trained = [p for g in optimizer.param_groups for p in g["params"]]
+        counted = self._norm_params(trained)
         if self.params_dtype != torch.float32:
             self.low_precision = (MasterWeights(model, self.params_dtype) if cfg.master_weights
                                   else PureLowPrecision(model, optimizer, self.params_dtype))
@@ -253,7 +263,7 @@ class Trainer:
                     p.grad = None
                 loss = self._dp_mean(self._fb(model, mbs))
                 self._finalize_grads(trained)
-                grad_norm = self._grad_norm(trained)
+                grad_norm = self._grad_norm(counted)
                 lr = lr_at(state["optimizer_steps"], cfg)
                 finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
                 if finite:
