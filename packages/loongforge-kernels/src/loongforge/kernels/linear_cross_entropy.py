@@ -94,11 +94,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        scale = None if bool(grad_out == 1) else grad_out
+        # scaled on the device, never compared on the host: a host check would stall the GPU
+        # between the forward and the backward
         if grad_h is not None:
-            grad_h = (grad_h if scale is None else grad_h * scale.to(grad_h.dtype)).to(ctx.hidden_dtype)
-        if grad_w is not None and scale is not None:
-            grad_w = grad_w * scale.to(grad_w.dtype)
+            grad_h = (grad_h * grad_out.to(grad_h.dtype)).to(ctx.hidden_dtype)
+        if grad_w is not None:
+            grad_w = grad_w * grad_out.to(grad_w.dtype)
         return grad_h, grad_w, None, None, None, None, None
 
 

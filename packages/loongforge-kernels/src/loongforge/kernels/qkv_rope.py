@@ -106,13 +106,13 @@ def _empty_heads(s: int, b: int, h: int, d: int, like: torch.Tensor) -> torch.Te
     return torch.empty((b, s, h, d), dtype=like.dtype, device=like.device).transpose(0, 1)
 
 
-def _launch(mixed, q, k, v, pos, inv, r, interleaved, backward):
+def _launch(mixed, q, k, v, pos, inv, r, interleaved, backward, block_h=None, num_warps=4):
     s, b, g, width = mixed.shape
     d = width // (r + 2)
     half = inv.numel()
     spb = pos.stride(0) if pos.shape[0] > 1 else 0
     slots = g * (r + 2)
-    block_h = min(triton.next_power_of_2(slots), 16)
+    block_h = block_h or min(triton.next_power_of_2(slots), 16)
     if s * b:
         _qkv_rope[(s * b, triton.cdiv(slots, block_h))](
             mixed, q, k, v, pos, inv,
@@ -120,7 +120,7 @@ def _launch(mixed, q, k, v, pos, inv, r, interleaved, backward):
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), spb, pos.stride(1),
             b, g, r, d, half, SIGN=-1.0 if backward else 1.0, BACKWARD=backward, INTERLEAVED=interleaved,
             HAS_PASS=2 * half < d, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+            BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps,
         )
 
 

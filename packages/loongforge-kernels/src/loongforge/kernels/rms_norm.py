@@ -20,45 +20,57 @@ MAX_HIDDEN = 65536
 
 
 @triton.jit
-def _rms_norm_fwd(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_fwd(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, M, N, eps, HAS_RES: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < N)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RES:
-        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
-        tl.store(S + row * stride_s + cols, x, mask=mask)
+        x = x + tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    tl.store(RSTD + row, rstd)
-    xn = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (w * xn).to(Y.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    xn = (xf * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * xn).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rms_norm_bwd(DY, X, W, RSTD, DX, DS, DW, stride_dy, stride_x, stride_dx, stride_ds, M, N, rows_per_program,
-         HAS_DS: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
     start = pid * rows_per_program
     end = tl.minimum(start + rows_per_program, M)
-    for r in range(start, end):
-        row = tl.cast(r, tl.int64)
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        xr = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-        rstd = tl.load(RSTD + row)
-        xhat = xr.to(tl.float32) * rstd
+    for r in range(start, end, BLOCK_M):
+        rows = tl.cast(r, tl.int64) + tl.arange(0, BLOCK_M)
+        rmask = rows < end
+        mask = rmask[:, None] & cmask[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xr = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = xr.to(tl.float32) * rstd[:, None]
         dw += dy * xhat.to(X.dtype.element_ty).to(tl.float32)
-        g = dy * w
-        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
+        g = dy * w[None, :]
+        dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
         if HAS_DS:
-            dx += tl.load(DS + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW + pid * N + cols, dw, mask=mask)
+            dx += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW + pid * N + cols, tl.sum(dw, axis=0), mask=cmask)
+
+
+def launch_config(n: int) -> tuple[int, int, int]:
+    """(rows per block, warps, backward programs per SM) for hidden size n: a block of about
+    4096 elements (several rows of a narrow hidden), and a backward grid whose fp32 weight-gradient
+    partials stay small next to the activations."""
+    block = triton.next_power_of_2(n)
+    return max(1, 4096 // block), warps_for(block), 4
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -77,10 +89,11 @@ class _RMSNorm(torch.autograd.Function):
         s = torch.empty_like(x2) if residual is not None else None
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(n)
+        block_m, warps, _ = launch_config(n)
         if m:
-            _rms_norm_fwd[(m,)](x2, r2 if r2 is not None else x2, weight, y, s if s is not None else x2, rstd,
+            _rms_norm_fwd[(triton.cdiv(m, block_m),)](x2, r2 if r2 is not None else x2, weight, y, s if s is not None else x2, rstd,
                        x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), s.stride(0) if s is not None else 0,
-                       n, eps, HAS_RES=residual is not None, BLOCK=block, num_warps=warps_for(block))
+                       m, n, eps, HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK=block, num_warps=warps)
         ctx.save_for_backward(s if s is not None else x2, weight, rstd)
         ctx.shape, ctx.has_res = x.shape, residual is not None
         y = y.view(*x.shape[:-1], n)
@@ -93,13 +106,14 @@ class _RMSNorm(torch.autograd.Function):
         dy2 = _rows(dy, n)
         ds2 = _rows(ds, n) if ds is not None else None
         dx = torch.empty_like(x2)
-        progs = programs_for(x2.device, m)
-        dw_part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)
         block = triton.next_power_of_2(n)
+        block_m, warps, per_sm = launch_config(n)
+        progs = programs_for(x2.device, triton.cdiv(m, block_m), per_sm)
+        dw_part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)
         if m:
             _rms_norm_bwd[(progs,)](dy2, x2, weight, rstd, dx, ds2 if ds2 is not None else dy2, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0),
-                           ds2.stride(0) if ds2 is not None else 0, m, n, triton.cdiv(m, progs),
-                           HAS_DS=ds2 is not None, BLOCK=block, num_warps=warps_for(block))
+                           ds2.stride(0) if ds2 is not None else 0, m, n, triton.cdiv(triton.cdiv(m, progs), block_m) * block_m,
+                           HAS_DS=ds2 is not None, BLOCK_M=block_m, BLOCK=block, num_warps=warps)
         dw = dw_part.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)
         dx = dx.view(ctx.shape)
         return dx, dw, None, (dx if ctx.has_res else None)

@@ -49,7 +49,8 @@ def _rope(X, OUT, POS, INV, sxb, sxs, sxh, sob, sos, soh, spb, sps, S, H, D, HAL
         tl.store(ob + p[None, :], tl.load(xb + p[None, :], mask=pm, other=0.0), mask=pm)
 
 
-def _launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, sign: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, sign: float,
+            block_h: int | None = None, num_warps: int = 4) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     b, s, h, d = x.shape
@@ -57,12 +58,12 @@ def _launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, in
     out = torch.empty((b, s, h, d), dtype=x.dtype, device=x.device)
     pos = positions if positions.dim() == 2 else positions[None]
     spb = pos.stride(0) if pos.shape[0] > 1 else 0
-    block_h = min(triton.next_power_of_2(h), 16)
+    block_h = block_h or min(triton.next_power_of_2(h), 16)
     if b * s:
         _rope[(b * s, triton.cdiv(h, block_h))](
             x, out, pos, inv_freq, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2), spb, pos.stride(1),
             s, h, d, half, SIGN=sign, INTERLEAVED=interleaved, HAS_PASS=2 * half < d, BLOCK_H=block_h,
-            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps,
         )
     return out
 
