@@ -12,7 +12,7 @@ Setups:
 - `loongforge trainer`: the step `loongforge-llm train` runs on a GPU: bf16 parameters with fp32
   master weights (fp32 gradient accumulation, fp32 AdamW, copy back), bf16 autocast, the GPU op
   table (Triton RMSNorm, RoPE, SwiGLU, fused linear + cross-entropy when loongforge-kernels is
-  installed), core's forward_backward, gradient clipping, fused AdamW.
+  installed), core's forward_backward, the trainer's gradient norm and clipped fused-AdamW step.
 - `loongforge trainer (pure bf16)`: the same with `train.master_weights=false`: bf16 parameters,
   gradients and AdamW state, the precision of the HF and megatron baselines below.
 - `... + recompute`: full activation recompute (`train.recompute=true`), one layer at a time.
@@ -91,6 +91,7 @@ def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool
     from loongforge.core.registry import registry
     from loongforge.core.train.pipeline import forward_backward
     from loongforge.core.train.precision import MasterWeights, PureLowPrecision
+    from loongforge.core.train.trainer import clipped_step, grad_sq_norm
 
     acc = get_accelerator("cuda")
     ctx = init_parallel(1, 1, acc.backend, acc.device_type)
@@ -111,8 +112,7 @@ def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool
         for p in trained:
             p.grad = None
         forward_backward(model, [mb], ctx, act, torch.float32, tokens.device, acc.autocast)
-        torch.nn.utils.clip_grad_norm_(trained, 1.0, foreach=True)
-        opt.step()
+        clipped_step(opt, grad_sq_norm(trained, tokens.device).sqrt(), 1.0)
         if low is not None:
             low.copy_to_model()
 

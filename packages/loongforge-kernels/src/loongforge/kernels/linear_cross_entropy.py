@@ -89,17 +89,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del logits
         ctx.save_for_backward(grad_h, grad_w)
         ctx.hidden_dtype = hidden.dtype
+        ctx.consumed = False
         return (loss * tw).sum()
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        # scaled on the device, never compared on the host: a host check would stall the GPU
-        # between the forward and the backward
+        if ctx.consumed:
+            raise RuntimeError("linear_cross_entropy: the fused op's gradients were already used; backward through it runs once "
+                               "(retain_graph is not supported)")
+        ctx.consumed = True
+        # scaled in place on the device: no host check of the incoming gradient (it would stall
+        # the GPU between forward and backward) and no second [vocab, hidden] buffer
         if grad_h is not None:
-            grad_h = (grad_h * grad_out.to(grad_h.dtype)).to(ctx.hidden_dtype)
+            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype)).to(ctx.hidden_dtype)
         if grad_w is not None:
-            grad_w = grad_w * grad_out.to(grad_w.dtype)
+            grad_w = grad_w.mul_(grad_out.to(grad_w.dtype))
         return grad_h, grad_w, None, None, None, None, None
 
 

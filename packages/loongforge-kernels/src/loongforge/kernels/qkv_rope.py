@@ -106,13 +106,13 @@ def _empty_heads(s: int, b: int, h: int, d: int, like: torch.Tensor) -> torch.Te
     return torch.empty((b, s, h, d), dtype=like.dtype, device=like.device).transpose(0, 1)
 
 
-def _launch(mixed, q, k, v, pos, inv, r, interleaved, backward, block_h=None, num_warps=4):
+def _launch(mixed, q, k, v, pos, inv, r, interleaved, backward, block_h=8, num_warps=2):
     s, b, g, width = mixed.shape
     d = width // (r + 2)
     half = inv.numel()
     spb = pos.stride(0) if pos.shape[0] > 1 else 0
     slots = g * (r + 2)
-    block_h = block_h or min(triton.next_power_of_2(slots), 16)
+    block_h = min(block_h, triton.next_power_of_2(slots))
     if s * b:
         _qkv_rope[(s * b, triton.cdiv(slots, block_h))](
             mixed, q, k, v, pos, inv,

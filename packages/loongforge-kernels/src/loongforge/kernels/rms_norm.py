@@ -65,12 +65,18 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DS, DW, stride_dy, stride_x, stride_dx, st
     tl.store(DW + pid * N + cols, tl.sum(dw, axis=0), mask=cmask)
 
 
-def launch_config(n: int) -> tuple[int, int, int]:
-    """(rows per block, warps, backward programs per SM) for hidden size n: a block of about
-    4096 elements (several rows of a narrow hidden), and a backward grid whose fp32 weight-gradient
-    partials stay small next to the activations."""
+def launch_config(n: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """Forward (rows per block, warps) and backward (rows per block, warps, programs per SM) for
+    hidden size n: the fastest of a sweep on one H200 (bf16, 8192 and 32768 rows; run 8 in
+    docs/benchmarks.md). Few backward programs keep the fp32 weight-gradient partials small."""
     block = triton.next_power_of_2(n)
-    return max(1, 4096 // block), warps_for(block), 4
+    if block <= 2048:
+        return (max(1, 2048 // block), 4), (max(4, 4096 // block), 4, 2)
+    if block == 4096:
+        return (2, 16), (4, 16, 1)
+    if block == 8192:
+        return (2, 4), (2, 16, 1)
+    return (1, 16), (1, 16, 1)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -89,7 +95,7 @@ class _RMSNorm(torch.autograd.Function):
         s = torch.empty_like(x2) if residual is not None else None
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(n)
-        block_m, warps, _ = launch_config(n)
+        (block_m, warps), _ = launch_config(n)
         if m:
             _rms_norm_fwd[(triton.cdiv(m, block_m),)](x2, r2 if r2 is not None else x2, weight, y, s if s is not None else x2, rstd,
                        x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), s.stride(0) if s is not None else 0,
@@ -107,7 +113,7 @@ class _RMSNorm(torch.autograd.Function):
         ds2 = _rows(ds, n) if ds is not None else None
         dx = torch.empty_like(x2)
         block = triton.next_power_of_2(n)
-        block_m, warps, per_sm = launch_config(n)
+        _, (block_m, warps, per_sm) = launch_config(n)
         progs = programs_for(x2.device, triton.cdiv(m, block_m), per_sm)
         dw_part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)
         if m:

@@ -105,7 +105,7 @@ class Trainer:
             lr=self.cfg.lr,
             betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
             eps=self.cfg.adam_eps,
-            fused=self.acc.device_type == "cuda",
+            fused=True,  # one kernel per group of tensors on GPU and CPU; clipping rides on its grad_scale
         )
 
     def _install_signals(self):
@@ -140,13 +140,7 @@ class Trainer:
         return [p for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
 
     def _grad_norm(self, params) -> torch.Tensor:
-        """Global L2 norm of the gradients: one fused per-tensor norm launch (fp32 accumulation,
-        bf16 gradients are read once and never copied), summed over model-parallel ranks."""
-        grads = [p.grad.detach() for p in params if p.grad is not None]
-        if grads:
-            sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
-        else:
-            sq = torch.zeros((), dtype=torch.float32, device=self.acc.device())
+        sq = grad_sq_norm(params, self.acc.device())
         if self.ctx.tp_size * self.ctx.pp_size > 1:
             dist.all_reduce(sq, group=self.ctx.mp_group)
         return sq.sqrt()
@@ -268,14 +262,9 @@ class Trainer:
                 finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
                 if finite:
                     state["bad_steps"] = 0
-                    if cfg.clip_grad > 0:
-                        coef = torch.clamp(cfg.clip_grad / (grad_norm + 1e-6), max=1.0)
-                        grads = [p.grad for p in trained if p.grad is not None]
-                        if grads:
-                            torch._foreach_mul_(grads, coef)
                     for g in optimizer.param_groups:
                         g["lr"] = lr
-                    optimizer.step()
+                    clipped_step(optimizer, grad_norm, cfg.clip_grad)
                     if self.low_precision is not None:
                         self.low_precision.copy_to_model()
                     state["optimizer_steps"] += 1
@@ -334,6 +323,24 @@ class Trainer:
                 flag = flag.to(self.acc.device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
+
+
+def grad_sq_norm(params, device) -> torch.Tensor:
+    """Sum of squares of the parameters' gradients, in fp32: one fused per-tensor norm launch
+    (bf16 gradients are read once and never copied)."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, clip: float) -> None:
+    """One step of a fused optimizer on the gradients scaled by min(1, clip / (norm + 1e-6))
+    (unscaled when clip <= 0). The scale goes in as the optimizer's `grad_scale` (torch's contract
+    with its GradScaler: the fused kernel divides each gradient by it as it reads it), so clipping
+    costs no pass of its own over the gradients and no host sync."""
+    optimizer.grad_scale = torch.clamp((grad_norm.float() + 1e-6) / clip, min=1.0) if clip > 0 else None
+    optimizer.step()
 
 
 def _buckets(tensors, size):

@@ -1,0 +1,51 @@
+"""The trainer's optimizer step: gradient clipping folded into the fused AdamW's grad_scale and
+the fp32 global gradient norm, against plain torch (clip_grad_norm_ + unfused AdamW)."""
+
+import pytest
+import torch
+
+from loongforge.core.train.trainer import clipped_step, grad_sq_norm
+
+
+def _params(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)) for shape in ((7, 5), (11,), (3, 4, 2))]
+    for p in ps:
+        p.grad = (torch.randn(p.shape, generator=g) * 3).to(dtype)
+    ps.append(torch.nn.Parameter(torch.ones(2, dtype=dtype)))  # no gradient: not counted, not stepped
+    return ps
+
+
+def test_grad_sq_norm_matches_torch():
+    ps = _params(torch.bfloat16)
+    want = torch.nn.utils.get_total_norm([p.grad.float() for p in ps if p.grad is not None])
+    got = grad_sq_norm(ps, "cpu")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.sqrt(), want, rtol=1e-6, atol=0)
+    assert grad_sq_norm([torch.nn.Parameter(torch.ones(3))], "cpu") == 0
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0, 1e6])
+def test_clipped_step_equals_clip_then_adamw(clip):
+    """Three steps: clipping active (1.0 is far below the norm), inactive (1e6) or off (0)."""
+    ours, ref = _params(torch.float32), _params(torch.float32)
+    opt = torch.optim.AdamW(ours, lr=1e-2, weight_decay=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(3):
+        for a, b in zip(_params(torch.float32, seed=step + 1), zip(ours, ref)):
+            for p in b:
+                p.grad = None if a.grad is None else a.grad.clone()
+        clipped_step(opt, grad_sq_norm(ours, "cpu").sqrt(), clip)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in ref if p.grad is not None], clip)
+        ref_opt.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if clip == 1.0:  # clipping really changed the update
+        unclipped = _params(torch.float32)
+        o = torch.optim.AdamW(unclipped, lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            for a, p in zip(_params(torch.float32, seed=step + 1), unclipped):
+                p.grad = None if a.grad is None else a.grad.clone()
+            o.step()
+        assert not torch.allclose(unclipped[0], ours[0], rtol=1e-5, atol=1e-6)
