@@ -24,11 +24,14 @@ KINDS = (  # first match wins
     ("matmul (cuBLAS/CUTLASS)", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
     ("attention (flash/SDPA)", ("flash", "fmha", "attention", "attn")),
     ("optimizer (AdamW, grad norm, copies)", ("adam", "multi_tensor", "foreach", "norm_kernel", "lpnorm")),
-    ("loongforge Triton kernels", ("_rms_norm_", "_swiglu_", "_rope", "_qkv_rope", "_ce_rows", "_gather", "_combine")),
 )
+# Triton kernels appear under their function names
+TRITON = {"_rms_norm_fwd", "_rms_norm_bwd", "_swiglu_fwd", "_swiglu_bwd", "_rope", "_qkv_rope", "_ce_rows", "_gather", "_combine"}
 
 
 def kind_of(name: str) -> str:
+    if name in TRITON:
+        return "loongforge Triton kernels"
     low = name.lower()
     for kind, keys in KINDS:
         if any(k in low for k in keys):
