@@ -19,6 +19,10 @@ Setups:
 - `loongforge trainer (reference ops)`: the same step with core's plain-torch op references.
 - `loongforge fp32 params + autocast`: the previous default (fp32 parameters, bf16 autocast),
   GPU op table.
+- `loongforge-llm train (CLI)` / `(CLI, pure bf16)`: the real command, `python -m loongforge.llm.cli
+  train llama_1p3b` with this shape in a subprocess (its data loader, NaN/Inf guard and per-step
+  logging with their host syncs included); ms/step is the median of the trainer's own step times
+  over the last `--steps` steps, peak memory its logged peak.
 - `hf eager` / `hf compile`: LlamaForCausalLM (sdpa), bf16 parameters, fused AdamW.
 - `megatron local spec`: megatron-core's own GPTModel with `get_gpt_layer_local_spec` (no
   transformer-engine: its unfused DotProductAttention), bf16 parameters, same step.
@@ -119,6 +123,28 @@ def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool
     return step, (model, opt, low)
 
 
+def cli_timed(a, precision: str, warmup: int, steps: int) -> tuple[float, float]:
+    """The training command itself on this shape: (median ms/step of its last `steps` steps, peak GiB)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["train", "llama_1p3b", f"model.num_layers={a.layers}", f"model.hidden_size={a.hidden}", f"model.num_attention_heads={a.heads}",
+                f"model.num_query_groups={a.kv_heads or a.heads}", f"model.ffn_hidden_size={a.ffn}", f"model.vocab_size={a.vocab}",
+                f"model.max_position_embeddings={a.seq}", f"data.seq_length={a.seq}", f"train.micro_batch_size={a.micro_batch}",
+                f"train.global_batch_size={a.micro_batch}", f"train.train_iters={warmup + steps}", "train.log_interval=1",
+                "train.eval_interval=0", "train.save_interval=0", f"train.master_weights={'true' if precision == 'masters' else 'false'}",
+                "checkpoint.export_hf=false", f"checkpoint.run_dir={tmp}/run"]
+        r = subprocess.run([sys.executable, "-m", "loongforge.llm.cli", *args], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"loongforge-llm train failed ({r.returncode}): {r.stderr[-2000:]}")
+        rows = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+    last = sorted((r for r in rows if r["step"] > warmup), key=lambda r: r["step"])[-steps:]
+    times = sorted(r["step_time_s"] for r in last)
+    return 1e3 * times[len(times) // 2], max(r["mem_peak_gib"] for r in last)
+
+
 def megatron_local_step(mcfg, tokens):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -194,17 +220,25 @@ def main():
         "hf compile": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.hf_checkpointing),
         "megatron local spec": lambda: megatron_local_step(mcfg, tokens),
     }
+    cli_setups = {"loongforge-llm train (CLI)": "masters", "loongforge-llm train (CLI, pure bf16)": "pure"}
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, params {mcfg.num_params() / 1e9:.3f}B, "
           f"{tok_per_step} tokens/step, {fpt / 1e9:.2f} GFLOP/token", flush=True)
     results = {}
-    for name in [s.strip() for s in a.setups.split(",")]:
+    names = [s.strip() for s in a.setups.split(",")]
+    unknown = [n for n in names if n not in builders and n not in cli_setups]
+    if unknown:
+        raise SystemExit(f"unknown setups {unknown}; choose from: {', '.join([*builders, *cli_setups])}")
+    for name in names:
         t0 = time.time()
-        step, keep = builders[name]()
-        ms, mem = timed(step, a.warmup, a.steps)
+        if name in cli_setups:
+            ms, mem = cli_timed(a, cli_setups[name], a.warmup, a.steps)
+        else:
+            step, keep = builders[name]()
+            ms, mem = timed(step, a.warmup, a.steps)
+            del step, keep
         tps = tok_per_step / (ms / 1e3)
         results[name] = {"ms_per_step": ms, "tokens_per_s": tps, "tflops": tps * fpt / 1e12, "mfu": tps * fpt / peak, "peak_gib": mem}
         print(f"{name}: {ms:.1f} ms/step, {tps:,.0f} tok/s, {tps * fpt / 1e12:.0f} TFLOP/s, peak {mem:.1f} GiB ({time.time() - t0:.0f}s)", flush=True)
-        del step, keep
         gc.collect()
         torch.cuda.empty_cache()
     print("\n| setup | ms/step | tokens/s | TFLOP/s | MFU (of 989) | peak GiB |")
