@@ -137,6 +137,19 @@ def test_linear_cross_entropy(smoothing, monkeypatch):
                  lambda a, b: ref.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing), [hid, w], go)
 
 
+def test_linear_cross_entropy_second_backward_is_refused():
+    """Its gradients are made in the forward and scaled in place by the backward: a second
+    backward through the same graph would scale them twice, so it fails with a message."""
+    from loongforge.kernels.linear_cross_entropy import linear_cross_entropy
+
+    torch.manual_seed(0)
+    hid, w = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    loss = linear_cross_entropy(hid, w, torch.randint(0, 11, (5,)), torch.full((5,), 0.2))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph is not supported"):
+        loss.backward()
+
+
 def test_moe_permute_unpermute():
     from loongforge.kernels.moe_permute import moe_permute, moe_unpermute
 

@@ -86,8 +86,8 @@ class RotarySDPAttention(nn.Module):
                 raise ValueError(f"packed sequences must use qkv_format='thd', got {packed_seq_params.qkv_format!r}")
             out = self.ops.varlen_attention(q, k, v, _cu_seqlens(packed_seq_params), self.softmax_scale, packed_seq_params.max_seqlen_q)
             return out.reshape(q.shape[0], -1)
-        # [s, b, h, d] -> [b, h, s, d] views; attention's output takes q's memory layout, so
-        # the permute back to [s, b, h*d] is free when q is seq-major
+        # [s, b, h, d] -> [b, h, s, d] views (seq-major and batch-major q/k/v measured the same
+        # through SDPA, output permute included: docs/benchmarks.md, run 9)
         out = self.ops.attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), causal=True, scale=self.softmax_scale)
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
