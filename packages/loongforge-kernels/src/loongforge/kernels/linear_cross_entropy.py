@@ -94,11 +94,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        if ctx.consumed:
+        if ctx.consumed:  # checked before unpacking: autograd's own message would blame an in-place op
             raise RuntimeError("linear_cross_entropy: the fused op's gradients were already used; backward through it runs once "
                                "(retain_graph is not supported)")
         ctx.consumed = True
+        grad_h, grad_w = ctx.saved_tensors
         # scaled in place on the device: no host check of the incoming gradient (it would stall
         # the GPU between forward and backward) and no second [vocab, hidden] buffer
         if grad_h is not None:
