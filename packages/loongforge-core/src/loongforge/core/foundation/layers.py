@@ -58,32 +58,29 @@ class RotarySDPAttention(nn.Module):
         """megatron's core-attention call: q/k/v [seq, batch, heads, head_dim] ([tokens, heads,
         head_dim] packed), rotated here, then `attend`."""
         if self.inv_freq is not None:
+            pos = self.positions(packed_seq_params, query.shape[0], query.device)
             if packed_seq_params is not None:
-                pos = self.packed_positions(packed_seq_params, query.shape[0])
                 query = self.ops.rope(query[None], pos, self.inv_freq)[0]
                 key = self.ops.rope(key[None], pos, self.inv_freq)[0]
             else:
-                pos = torch.arange(query.shape[0], device=query.device)
                 query = self.ops.rope(query.transpose(0, 1), pos, self.inv_freq).transpose(0, 1)
                 key = self.ops.rope(key.transpose(0, 1), pos, self.inv_freq).transpose(0, 1)
         return self.attend(query, key, value, packed_seq_params)
 
     @staticmethod
-    def packed_positions(params, total: int) -> torch.Tensor:
-        """Per-token positions of a THD pack: they restart at every sample."""
+    def positions(packed_seq_params, seq: int, device) -> torch.Tensor:
+        """Rotary positions of `seq` tokens: 0..seq-1, or, in a THD pack, restarting at every sample."""
+        if packed_seq_params is None:
+            return torch.arange(seq, device=device)
         from loongforge.core.ops.reference import positions_from_cu_seqlens
 
-        if params.qkv_format != "thd":
-            raise ValueError(f"packed sequences must use qkv_format='thd', got {params.qkv_format!r}")
-        return positions_from_cu_seqlens(_cu_seqlens(params), total)
+        return positions_from_cu_seqlens(_cu_seqlens(packed_seq_params), seq)
 
     def attend(self, q, k, v, packed_seq_params=None) -> torch.Tensor:
         """Causal attention of rotated q/k/v, in any memory layout: [seq, batch, heads, head_dim]
         -> [seq, batch, hidden]; packed, [tokens, heads, head_dim] -> [tokens, hidden] with
         attention inside each sample."""
         if packed_seq_params is not None:
-            if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"packed sequences must use qkv_format='thd', got {packed_seq_params.qkv_format!r}")
             out = self.ops.varlen_attention(q, k, v, _cu_seqlens(packed_seq_params), self.softmax_scale, packed_seq_params.max_seqlen_q)
             return out.reshape(q.shape[0], -1)
         # [s, b, h, d] -> [b, h, s, d] views (seq-major and batch-major q/k/v measured the same
@@ -94,6 +91,9 @@ class RotarySDPAttention(nn.Module):
 
 
 def _cu_seqlens(params) -> torch.Tensor:
+    """A pack's sample boundaries; every packed path reads them here, so the format check is here."""
+    if params.qkv_format != "thd":
+        raise ValueError(f"packed sequences must use qkv_format='thd', got {params.qkv_format!r}")
     return params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
 
 
@@ -135,10 +135,7 @@ def fused_qkv_attention_class():
             groups = self.num_query_groups_per_partition
             mixed = mixed.view(s, b, groups, -1)
             core = self.core_attention
-            if packed_seq_params is not None:
-                positions = core.packed_positions(packed_seq_params, s)
-            else:
-                positions = torch.arange(s, device=mixed.device)
+            positions = core.positions(packed_seq_params, s, mixed.device)
             q, k, v = self.ops.qkv_rope(mixed, positions, core.inv_freq, self.num_attention_heads_per_partition // groups)
             if packed_seq_params is not None:  # THD: megatron's batch of one is squeezed
                 out = core.attend(q[:, 0], k[:, 0], v[:, 0], packed_seq_params).reshape(s, 1, -1)
