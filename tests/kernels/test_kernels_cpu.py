@@ -82,22 +82,23 @@ def test_rope(interleaved, rot, d):
         _compare(lambda a: rope(a, pos, inv, interleaved), lambda a: ref.rope(a, pos, inv, interleaved), [x], torch.randn(b, s, h, d))
 
 
-@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+@pytest.mark.parametrize("grad_layout", ["sbhd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("groups,r,rot,d,packed", [(3, 1, 16, 16, False), (2, 3, 8, 24, False), (2, 2, 16, 16, True)])
-def test_qkv_rope(layout, interleaved, groups, r, rot, d, packed, monkeypatch):
+def test_qkv_rope(grad_layout, interleaved, groups, r, rot, d, packed):
     """Split + rotation of megatron's fused projection (MHA, GQA with partial rotary, packed
     positions that restart per sample) against the reference: values, and the projection's
-    gradient assembled from all three outputs' gradients, in either output layout."""
+    gradient assembled from all three outputs' gradients, which arrive seq-major or batch-major
+    (attention's backward picks the layout)."""
     from loongforge.kernels import qkv_rope as kernel
 
-    monkeypatch.setattr(kernel, "LAYOUT", layout)
     torch.manual_seed(0)
     s, b = 7, (1 if packed else 2)
     mixed = torch.randn(s, b, groups, (r + 2) * d)
     pos = torch.tensor([0, 1, 2, 0, 1, 2, 3]) if packed else torch.arange(s)
     inv = ref.rope_inv_freq(rot, 10000.0)
-    grads = (torch.randn(s, b, groups * r, d), torch.randn(s, b, groups, d), torch.randn(s, b, groups, d))
+    grads = tuple(torch.randn(s, b, n, d) if grad_layout == "sbhd" else torch.randn(b, s, n, d).transpose(0, 1)
+                  for n in (groups * r, groups, groups))
     _compare(lambda m: kernel.qkv_rope(m, pos, inv, r, interleaved), lambda m: ref.qkv_rope(m, pos, inv, r, interleaved), [mixed], grads)
 
 

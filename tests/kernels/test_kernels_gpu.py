@@ -82,16 +82,16 @@ def test_rope_gpu(dtype, interleaved, b, s, h, d, rot):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+@pytest.mark.parametrize("grad_layout", ["sbhd", "bshd"])
 @pytest.mark.parametrize("s,b,g,r,d,rot", [(7, 2, 3, 1, 64, 64), (2048, 4, 16, 1, 128, 128), (33, 1, 2, 4, 96, 48)])
-def test_qkv_rope_gpu(dtype, layout, s, b, g, r, d, rot, monkeypatch):
+def test_qkv_rope_gpu(dtype, grad_layout, s, b, g, r, d, rot):
     from loongforge.kernels import qkv_rope as kernel
 
-    monkeypatch.setattr(kernel, "LAYOUT", layout)
     mixed = torch.randn(s, b, g, (r + 2) * d, device="cuda", dtype=dtype)
     inv = ref.rope_inv_freq(rot, 500000.0).cuda()
     pos = torch.arange(s, device="cuda")
-    grads = tuple(torch.randn(s, b, n, d, device="cuda") for n in (g * r, g, g))
+    grads = tuple(torch.randn(s, b, n, d, device="cuda") if grad_layout == "sbhd" else torch.randn(b, s, n, d, device="cuda").transpose(0, 1)
+                  for n in (g * r, g, g))
     check(lambda m: kernel.qkv_rope(m, pos, inv, r), lambda m: ref.qkv_rope(m, pos, inv, r), [mixed], grads)
 
 

@@ -21,11 +21,6 @@ import triton.language as tl
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
 
-# Memory layout of q, k, v: "sbhd" keeps megatron's [seq, batch] order (attention's output then
-# reaches megatron's [seq, batch, hidden] without a copy); "bshd" is the batch-major layout.
-LAYOUT = "sbhd"
-
-
 @triton.jit
 def _qkv_rope(M, Q, K, V, POS, INV,
               sms, smb, smg, sqs, sqb, sqh, sks, skb, skh, svs, svb, svh, spb, sps,
@@ -101,9 +96,8 @@ def _qkv_rope(M, Q, K, V, POS, INV,
 
 
 def _empty_heads(s: int, b: int, h: int, d: int, like: torch.Tensor) -> torch.Tensor:
-    if LAYOUT == "sbhd":
-        return torch.empty((s, b, h, d), dtype=like.dtype, device=like.device)
-    return torch.empty((b, s, h, d), dtype=like.dtype, device=like.device).transpose(0, 1)
+    """q, k or v in megatron's [seq, batch] order (batch-major measured the same through attention)."""
+    return torch.empty((s, b, h, d), dtype=like.dtype, device=like.device)
 
 
 def _launch(mixed, q, k, v, pos, inv, r, interleaved, backward, block_h=8, num_warps=2):
