@@ -19,6 +19,3 @@ def programs_for(device: torch.device, rows: int, per_sm: int = 8) -> int:
     sms = num_sms(device.index or 0) if device.type == "cuda" else 1
     return max(1, min(rows, sms * per_sm if device.type == "cuda" else 4))
 
-
-def warps_for(block: int) -> int:
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16

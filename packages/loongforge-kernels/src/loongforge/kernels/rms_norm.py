@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from loongforge.core.ops import reference
-from loongforge.kernels._util import KERNEL_DTYPES, programs_for, warps_for
+from loongforge.kernels._util import KERNEL_DTYPES, programs_for
 
 MAX_HIDDEN = 65536
 
