@@ -20,6 +20,7 @@ import triton.language as tl
 
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
+from loongforge.kernels.rope import token_rotation
 
 @triton.jit
 def _qkv_rope(M, Q, K, V, POS, INV,
@@ -37,18 +38,9 @@ def _qkv_rope(M, Q, K, V, POS, INV,
     is_k = valid & (r == R)
     is_v = valid & (r == R + 1)
 
-    pos = tl.load(POS + b * spb + s * sps).to(tl.float32)
-    i = tl.arange(0, BLOCK_HALF)
-    im = i < HALF
-    ang = pos * tl.load(INV + i, mask=im, other=0.0).to(tl.float32)
-    cos = tl.where(is_v[:, None], 1.0, tl.cos(ang)[None, :])
-    sin = tl.where(is_v[:, None], 0.0, tl.sin(ang)[None, :] * SIGN)
-    if INTERLEAVED:
-        c1 = 2 * i
-        c2 = 2 * i + 1
-    else:
-        c1 = i
-        c2 = i + HALF
+    cos, sin, c1, c2, im = token_rotation(POS + b * spb + s * sps, INV, HALF, INTERLEAVED, BLOCK_HALF)
+    cos = tl.where(is_v[:, None], 1.0, cos[None, :])  # v: the identity rotation
+    sin = tl.where(is_v[:, None], 0.0, sin[None, :] * SIGN)
 
     m_off = s * sms + b * smb + g.to(tl.int64)[:, None] * smg + (r * D)[:, None]
     q_off = s * sqs + b * sqb + (g * R + r).to(tl.int64)[:, None] * sqh

@@ -18,6 +18,23 @@ from loongforge.kernels._util import KERNEL_DTYPES
 
 
 @triton.jit
+def token_rotation(POS, INV, HALF, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One token's rotation: cos and sin of position x inverse frequency (fp32), the two channels
+    each pair rotates (half-split or interleaved) and the mask of real pairs."""
+    pos = tl.load(POS).to(tl.float32)
+    i = tl.arange(0, BLOCK_HALF)
+    im = i < HALF
+    ang = pos * tl.load(INV + i, mask=im, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        c1 = 2 * i
+        c2 = 2 * i + 1
+    else:
+        c1 = i
+        c2 = i + HALF
+    return tl.cos(ang), tl.sin(ang), c1, c2, im
+
+
+@triton.jit
 def _rope(X, OUT, POS, INV, sxb, sxs, sxh, sob, sos, soh, spb, sps, S, H, D, HALF, SIGN: tl.constexpr,
           INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     tok = tl.program_id(0)
@@ -25,18 +42,9 @@ def _rope(X, OUT, POS, INV, sxb, sxs, sxh, sob, sos, soh, spb, sps, S, H, D, HAL
     s = (tok % S).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < H
-    pos = tl.load(POS + b * spb + s * sps).to(tl.float32)
-    i = tl.arange(0, BLOCK_HALF)
-    im = i < HALF
-    ang = pos * tl.load(INV + i, mask=im, other=0.0).to(tl.float32)
-    cos = tl.cos(ang)[None, :]
-    sin = (tl.sin(ang) * SIGN)[None, :]
-    if INTERLEAVED:
-        c1 = 2 * i
-        c2 = 2 * i + 1
-    else:
-        c1 = i
-        c2 = i + HALF
+    cos, sin, c1, c2, im = token_rotation(POS + b * spb + s * sps, INV, HALF, INTERLEAVED, BLOCK_HALF)
+    cos = cos[None, :]
+    sin = (sin * SIGN)[None, :]
     xb = X + b * sxb + s * sxs + h[:, None].to(tl.int64) * sxh
     ob = OUT + b * sob + s * sos + h[:, None].to(tl.int64) * soh
     m = hm[:, None] & im[None, :]
