@@ -1,9 +1,11 @@
-"""The trainer's optimizer step: gradient clipping folded into the fused AdamW's grad_scale and
-the fp32 global gradient norm, against plain torch (clip_grad_norm_ + unfused AdamW)."""
+"""The trainer's optimizer step: TableAdamW (the op table's `adamw`) with gradient clipping folded
+into its grad_scale and the fp32 global gradient norm, against plain torch (clip_grad_norm_ +
+unfused AdamW); its state is torch AdamW's, so checkpoints move between the two."""
 
 import pytest
 import torch
 
+from loongforge.core.train.optimizer import TableAdamW
 from loongforge.core.train.trainer import clipped_step, grad_sq_norm
 
 
@@ -29,7 +31,7 @@ def test_grad_sq_norm_matches_torch():
 def test_clipped_step_equals_clip_then_adamw(clip):
     """Three steps: clipping active (1.0 is far below the norm), inactive (1e6) or off (0)."""
     ours, ref = _params(torch.float32), _params(torch.float32)
-    opt = torch.optim.AdamW(ours, lr=1e-2, weight_decay=0.1, fused=True)
+    opt = TableAdamW(ours, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
     for step in range(3):
         for a, b in zip(_params(torch.float32, seed=step + 1), zip(ours, ref)):
@@ -49,3 +51,17 @@ def test_clipped_step_equals_clip_then_adamw(clip):
                 p.grad = None if a.grad is None else a.grad.clone()
             o.step()
         assert not torch.allclose(unclipped[0], ours[0], rtol=1e-5, atol=1e-6)
+
+
+def test_table_adamw_state_is_torch_adamw_state():
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    opt = TableAdamW(ours, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+    opt.step()
+    torch_opt = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+    torch_opt.load_state_dict(opt.state_dict())
+    back = TableAdamW(_params(torch.float32), lr=1.0)
+    back.load_state_dict(torch_opt.state_dict())
+    st = back.state_dict()["state"][0]
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and float(st["step"]) == 1.0
+    torch.testing.assert_close(st["exp_avg"], opt.state[ours[0]]["exp_avg"])
+    assert back.param_groups[0]["lr"] == 1e-2 and back.param_groups[0]["betas"] == (0.9, 0.95)

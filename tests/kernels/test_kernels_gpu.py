@@ -139,6 +139,30 @@ def test_moe_permute_gpu(dtype):
           [torch.randn(n, hid, device="cuda", dtype=dtype), torch.rand(n, k, device="cuda", dtype=dtype)], torch.randn(n, hid, device="cuda"))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adamw_gpu(dtype):
+    """Against torch's fused AdamW (the reference), both storing in `dtype` after fp32 math: equal
+    up to one rounding of the stored values."""
+    from loongforge.kernels.adamw import BLOCK, adamw
+
+    shapes = [(2048, 5632), (BLOCK + 7,), (7, 1000), (1,)]
+    init = [torch.randn(s, device="cuda").to(dtype) for s in shapes]
+    states = []
+    for _ in range(2):
+        ps = [p.clone() for p in init]
+        states.append((ps, [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps], [torch.zeros((), device="cuda") for _ in ps]))
+    for i in range(1, 4):
+        grads = [torch.randn(s, device="cuda").to(dtype) for s in shapes]
+        for fn, (ps, ms, vs, steps) in zip((adamw, ref.adamw), states):
+            torch._foreach_add_(steps, 1)
+            fn(ps, [g.clone() for g in grads], ms, vs, steps, lr=1e-2, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
+               grad_scale=torch.tensor(2.0, device="cuda"))
+    tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=1e-6)}[dtype]
+    for got, want in zip(states[0][:3], states[1][:3]):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **tol)
+
+
 def test_model_with_kernels_matches_reference_ops_gpu():
     """The whole decoder with the CUDA op table (kernels chosen by default) against the reference
     table, bf16 autocast as the trainer runs: logits and every parameter gradient."""

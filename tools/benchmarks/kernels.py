@@ -186,6 +186,27 @@ def attention_layout_rows(shapes):
     return rows
 
 
+def adamw_rows(copy_gbs, num_layers=24, hidden=2048, ffn=5632, vocab=32000):
+    """One AdamW update over the bf16 parameters of the 1.3B config (the tensors the trainer
+    steps): the Triton kernel against torch's fused AdamW (core's reference)."""
+    from loongforge.kernels.adamw import adamw
+
+    shapes = [(vocab, hidden), (vocab, hidden), (hidden,)] + [s for _ in range(num_layers) for s in
+              ((3 * hidden, hidden), (hidden, hidden), (2 * ffn, hidden), (hidden, ffn), (hidden,), (hidden,))]
+    ps = [torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02 for s in shapes]
+    gs = [torch.randn_like(p) for p in ps]
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    steps = [torch.ones((), device="cuda") for _ in ps]
+    scale = torch.tensor(1.5, device="cuda")
+    n = sum(p.numel() for p in ps)
+    rows = []
+    for name, fn in (("loongforge", adamw), ("torch fused (reference)", ref.adamw)):
+        def step(fn=fn):
+            fn(ps, gs, ms, vs, steps, lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, grad_scale=scale)
+        rows.append(row("adamw step", f"{n / 1e9:.3f}B bf16", name, step, 14 * n, copy_gbs))
+    return rows
+
+
 def linear_ce_rows(n=16384, h=4096, v=128256):
     from loongforge.kernels.linear_cross_entropy import linear_cross_entropy
 
@@ -240,7 +261,7 @@ def linear_ce_rows(n=16384, h=4096, v=128256):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="rms_norm,swiglu,rope,qkv_rope,attention_layout,linear_ce")
+    p.add_argument("--only", default="rms_norm,swiglu,rope,qkv_rope,attention_layout,adamw,linear_ce")
     p.add_argument("--quick", action="store_true", help="one small shape per kernel")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -260,6 +281,8 @@ def main():
         rows += qkv_rope_rows([(2048, 4, 16, 1, 128), (4096, 1, 8, 4, 128)] if not a.quick else [(2048, 4, 16, 1, 128)], copy_gbs)
     if "attention_layout" in only:
         rows += attention_layout_rows([(2048, 4, 16, 128)] if not a.quick else [(512, 2, 4, 64)])
+    if "adamw" in only:
+        rows += adamw_rows(copy_gbs) if not a.quick else adamw_rows(copy_gbs, num_layers=2)
     if "linear_ce" in only:
         rows += linear_ce_rows() if not a.quick else linear_ce_rows(2048, 1024, 32000)
     print("\n| kernel | shape | setup | ms | graph ms | GB/s | of copy | extra GiB |\n| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -12,7 +12,7 @@ Setups:
 - `loongforge trainer`: the step `loongforge-llm train` runs on a GPU: bf16 parameters with fp32
   master weights (fp32 gradient accumulation, fp32 AdamW, copy back), bf16 autocast, the GPU op
   table (Triton RMSNorm, RoPE, SwiGLU, fused linear + cross-entropy when loongforge-kernels is
-  installed), core's forward_backward, the trainer's gradient norm and clipped fused-AdamW step.
+  installed), core's forward_backward, the trainer's gradient norm and clipped AdamW step (op `adamw`).
 - `loongforge trainer (pure bf16)`: the same with `train.master_weights=false`: bf16 parameters,
   gradients and AdamW state, the precision of the HF and megatron baselines below.
 - `... + recompute`: full activation recompute (`train.recompute=true`), one layer at a time.
@@ -95,6 +95,7 @@ def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool
     from loongforge.core.registry import registry
     from loongforge.core.train.pipeline import forward_backward
     from loongforge.core.train.precision import MasterWeights, PureLowPrecision
+    from loongforge.core.train.optimizer import TableAdamW
     from loongforge.core.train.trainer import clipped_step, grad_sq_norm
 
     acc = get_accelerator("cuda")
@@ -105,7 +106,7 @@ def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool
     if precision == "pure":  # cast before moving: the fp32 copy never reaches the GPU
         model = model.to(torch.bfloat16)
     model = model.cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    opt = TableAdamW(model.parameters(), update=ops.adamw, lr=1e-4, weight_decay=0.1)
     trained = [p for g in opt.param_groups for p in g["params"]]
     low = {"masters": lambda: MasterWeights(model, torch.bfloat16), "pure": lambda: PureLowPrecision(model, opt, torch.bfloat16),
            "fp32": lambda: None}[precision]()

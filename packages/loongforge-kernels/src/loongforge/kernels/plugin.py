@@ -5,7 +5,7 @@ TRITON_INTERPRET=1 by calling them directly)."""
 
 def register(reg) -> None:
     from loongforge.core.ops import OpImpl
-    from loongforge.kernels import linear_cross_entropy, moe_permute, qkv_rope, rms_norm, rope, swiglu, varlen_attention
+    from loongforge.kernels import adamw, linear_cross_entropy, moe_permute, qkv_rope, rms_norm, rope, swiglu, varlen_attention
 
     cuda = ("cuda",)
     for op, fn in (
@@ -17,6 +17,7 @@ def register(reg) -> None:
         ("linear_cross_entropy", linear_cross_entropy.linear_cross_entropy),
         ("moe_permute", moe_permute.moe_permute),
         ("moe_unpermute", moe_permute.moe_unpermute),
+        ("adamw", adamw.adamw),
     ):
         reg.add("op", f"{op}.triton", OpImpl(fn, cuda, priority=10))
     reg.add("op", "varlen_attention.flash", OpImpl(varlen_attention.varlen_attention, cuda, priority=10))

@@ -231,6 +231,7 @@ def train(cfg, make_data: Callable) -> dict:
         initial_weights=initial_weights,
         on_saved=on_saved,
         save_trainable_only=lora is not None,
+        ops=ops,
     )
     run_config = dataclasses.asdict(cfg)
     run_config["model"] = dataclasses.asdict(mcfg)

@@ -20,6 +20,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "linear_cross_entropy": reference.linear_cross_entropy,
     "moe_permute": reference.moe_permute,
     "moe_unpermute": reference.moe_unpermute,
+    "adamw": reference.adamw,
 }
 
 

@@ -11,7 +11,7 @@ import json
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -22,7 +22,9 @@ from loongforge.core.checkpoint import CheckpointDir, load_megatron, read_manife
 from loongforge.core.errors import UserError
 from loongforge.core.parallel import on_rank0
 from loongforge.core.train.lr import lr_at
+from loongforge.core.ops import OpTable
 from loongforge.core.train.metrics import Metrics
+from loongforge.core.train.optimizer import TableAdamW
 from loongforge.core.train.pipeline import forward_backward
 from loongforge.core.train.precision import MasterWeights, PureLowPrecision, resolve_params_dtype
 
@@ -48,6 +50,7 @@ class TrainHooks:
     # Checkpoints hold only the trainable tensors (LoRA adapters); the frozen rest comes from
     # `initial_weights`, which then runs on resume too.
     save_trainable_only: bool = False
+    ops: OpTable = field(default_factory=OpTable)  # the run's op table (the optimizer's `adamw` comes from it)
 
 
 def fingerprint(run_identity: dict) -> str:
@@ -100,13 +103,8 @@ class Trainer:
             if p.requires_grad:
                 (no_decay if p.dim() < 2 else decay).append(p)
         groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(
-            groups,
-            lr=self.cfg.lr,
-            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
-            eps=self.cfg.adam_eps,
-            fused=True,  # one kernel per group of tensors on GPU and CPU; clipping rides on its grad_scale
-        )
+        return TableAdamW(groups, update=self.hooks.ops.adamw, lr=self.cfg.lr, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+                          eps=self.cfg.adam_eps)
 
     def _install_signals(self):
         def handler(signum, frame):
@@ -335,10 +333,11 @@ def grad_sq_norm(params, device) -> torch.Tensor:
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, clip: float) -> None:
-    """One step of a fused optimizer on the gradients scaled by min(1, clip / (norm + 1e-6))
-    (unscaled when clip <= 0). The scale goes in as the optimizer's `grad_scale` (torch's contract
-    with its GradScaler: the fused kernel divides each gradient by it as it reads it), so clipping
-    costs no pass of its own over the gradients and no host sync."""
+    """One step of an optimizer that honours `grad_scale` (TableAdamW, torch's fused optimizers) on
+    the gradients scaled by min(1, clip / (norm + 1e-6)) (unscaled when clip <= 0). The scale goes
+    in as the optimizer's `grad_scale` (torch's contract with its GradScaler: the update divides
+    each gradient by it as it reads it), so clipping costs no pass of its own over the gradients
+    and no host sync."""
     optimizer.grad_scale = torch.clamp((grad_norm.float() + 1e-6) / clip, min=1.0) if clip > 0 else None
     optimizer.step()
 
