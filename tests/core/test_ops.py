@@ -131,13 +131,53 @@ def test_model_computes_through_the_op_table():
     ctx = init_parallel(1, 1, "gloo", "cpu")
     model = build_gpt_model(QWEN3.resolve(ModelConfig(num_layers=2)), ctx, OpTable(impls))
     model(torch.randint(0, 256, (1, 8)), None, None)
-    # per layer: 2 norms + q/k norms, 2 rope calls (q/k norms keep megatron's split), 1 attention, 1 swiglu; plus the final norm
-    assert calls == Counter({"rms_norm": 2 * 4 + 1, "rope": 4, "attention": 2, "swiglu": 2})
+    # per layer: the input norm + q/k norms, the residual add with the MLP norm, 2 rope calls (q/k
+    # norms keep megatron's split), 1 attention, 1 swiglu; plus the final norm
+    assert calls == Counter({"rms_norm": 2 * 3 + 1, "add_rms_norm": 2, "rope": 4, "attention": 2, "swiglu": 2})
     calls.clear()
     llama = build_gpt_model(LLAMA.resolve(ModelConfig(num_layers=2)), ctx, OpTable(impls))
     llama(torch.randint(0, 256, (1, 8)), None, None)
     # without q/k norms the split and rotation are one fused call per layer
-    assert calls == Counter({"rms_norm": 2 * 2 + 1, "qkv_rope": 2, "attention": 2, "swiglu": 2})
+    assert calls == Counter({"rms_norm": 2 + 1, "add_rms_norm": 2, "qkv_rope": 2, "attention": 2, "swiglu": 2})
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_residual_layer_equals_megatron_layer(packed):
+    """The layer whose attention residual add and MLP norm are one `add_rms_norm` call computes
+    exactly what megatron's TransformerLayer computes with the same ops (forced off on a copy):
+    logits and every gradient bit for bit, unpacked and packed (THD)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from loongforge.core.foundation.families import LLAMA
+    from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
+    from loongforge.core.parallel import init_parallel
+
+    ctx = init_parallel(1, 1, "gloo", "cpu")
+    cfg = LLAMA.resolve(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, vocab_size=128))
+    torch.manual_seed(0)
+    fused = build_gpt_model(cfg, ctx, OpTable())
+    plain = build_gpt_model(cfg, ctx, OpTable())
+    for p in fused.parameters():  # norm weights away from 1, so their gradients are checked
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    plain.load_state_dict(fused.state_dict())
+    assert all(layer.fused for layer in fused.decoder.layers)
+    for layer in plain.decoder.layers:
+        layer.fused = False
+    x = torch.randint(0, 128, (1 if packed else 2, 12))
+    kw = {}
+    if packed:
+        cu = torch.tensor([0, 5, 9, 12], dtype=torch.int32)
+        kw["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    outs = []
+    for m in (fused, plain):
+        logits = m(x, None, None, **kw)
+        logits.square().mean().backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    (la, ga), (lb, gb) = outs
+    assert torch.equal(la, lb)
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n
 
 
 def test_op_table_picks_the_fastest_implementation_for_the_device():

@@ -216,25 +216,62 @@ def test_model_with_fused_qkv_rope_matches_megatron_split(packed):
         torch.testing.assert_close(ga[n], gb[n], **TOL, msg=n)
 
 
+def test_model_with_fused_add_rms_norm_matches_megatron_layer():
+    """The decoder whose attention residual add and MLP norm run as the `add_rms_norm` kernel
+    against megatron's own layer (add, then the reference norm): logits and every gradient, fp32."""
+    from loongforge.core.foundation.families import LLAMA
+    from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
+    from loongforge.core.ops import OpTable
+    from loongforge.core.parallel import init_parallel
+    from loongforge.kernels.rms_norm import add_rms_norm
+
+    ctx = init_parallel(1, 1, "gloo", "cpu")
+    cfg = LLAMA.resolve(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, vocab_size=128))
+    torch.manual_seed(0)
+    fused = build_gpt_model(cfg, ctx, OpTable({**OpTable().impls, "add_rms_norm": add_rms_norm}))
+    plain = build_gpt_model(cfg, ctx, OpTable())
+    for layer in plain.decoder.layers:
+        layer.fused = False
+    for p in fused.parameters():  # norm weights away from 1, so their gradients are checked
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randint(0, 128, (2, 12))
+    outs = []
+    for m in (fused, plain):
+        logits = m(x, None, None)
+        logits.square().mean().backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    (la, ga), (lb, gb) = outs
+    torch.testing.assert_close(la, lb, **TOL)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], **TOL, msg=n)
+
+
 @pytest.mark.parametrize("grad_scale", [None, 3.0])
 def test_adamw_matches_torch_fused(grad_scale):
-    """The multi-tensor AdamW kernel against torch's fused AdamW (core's reference) over three
-    steps: tensors of odd sizes spanning several blocks, weight decay, a gradient scale."""
+    """The AdamW kernel against torch's fused AdamW (core's reference) over three steps: tensors
+    large enough for their own launch (odd sizes, several blocks) and small ones (which go to the
+    reference), weight decay, a gradient scale, beta2 = 0.999 (whose bias correction needs the
+    exact beta) and one tensor whose step count is ahead of the others."""
     from loongforge.kernels import adamw as kernel
 
     torch.manual_seed(0)
-    shapes = [(3, 5), (kernel.BLOCK + 7,), (2, kernel.BLOCK + 1), (1,)]
+    shapes = [(3, 5), (kernel.MIN_NUMEL + 7,), (2, kernel.MIN_NUMEL // 2 + 1), (1,)]
     init = [torch.randn(s) for s in shapes]
+    assert [kernel._own_launch(p, p, p, p) for p in init] == [False, True, True, False]
     states = []
     for _ in range(2):
         ps = [p.clone() for p in init]
-        states.append((ps, [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps], [torch.zeros(()) for _ in ps]))
+        steps = [torch.zeros(()) for _ in ps]
+        steps[2] += 4
+        states.append((ps, [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps], steps))
     for i in range(1, 4):
         grads = [torch.randn(s) * i for s in shapes]
         scale = torch.tensor(grad_scale) if grad_scale else None
         for fn, (ps, ms, vs, steps) in zip((kernel.adamw, ref.adamw), states):
             torch._foreach_add_(steps, 1)
-            fn(ps, [g.clone() for g in grads], ms, vs, steps, lr=1e-2, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, grad_scale=scale)
+            fn(ps, [g.clone() for g in grads], ms, vs, steps, lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, grad_scale=scale)
     for got, want in zip(states[0][:3], states[1][:3]):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -168,3 +168,54 @@ def swiglu_mlp_class():
             return out, bias
 
     return SwiGLUMLP
+
+
+@functools.cache
+def fused_residual_layer_class():
+    """megatron-core's TransformerLayer whose attention residual add and MLP norm are one op-table
+    call (`add_rms_norm`: the sum and its norm in one pass, and in the backward the norm's input
+    gradient and the residual's in one pass). Layers it does not cover (dropout or linear biases,
+    a non-RMSNorm MLP norm, cross attention, norm or MLP recompute, activation offload, inference)
+    run megatron's own forward unchanged; full-layer recompute wraps this forward as it wraps
+    megatron's.
+
+    A factory, so that importing this module does not import megatron-core.
+    """
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.utils import make_viewless_tensor
+
+    class FusedResidualTransformerLayer(TransformerLayer):
+        def __init__(self, config, submodules, *args, ops: OpTable | None = None, **kwargs):
+            super().__init__(config, submodules, *args, **kwargs)
+            self.ops = ops or OpTable()
+            self.fused = (
+                isinstance(self.pre_mlp_layernorm, RMSNorm)
+                and self.hidden_dropout == 0.0
+                and not config.add_bias_linear
+                and isinstance(self.cross_attention, IdentityOp)
+                and isinstance(self.pre_cross_attn_layernorm, IdentityOp)
+                and not (self.recompute_input_layernorm or self.recompute_pre_mlp_layernorm or self.recompute_mlp)
+                and not (self.offload_attn_norm or self.offload_mlp_norm)
+                and not getattr(self, "is_moe_layer", False)
+            )
+
+        def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, rotary_pos_emb=None,
+                    rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None, packed_seq_params=None,
+                    **kwargs):
+            special = (context, context_mask, rotary_pos_cos, rotary_pos_sin, inference_context,
+                       *(v for k, v in kwargs.items() if k != "padding_mask"))
+            if not self.fused or any(x is not None for x in special):
+                return super().forward(hidden_states, attention_mask=attention_mask, context=context, context_mask=context_mask,
+                                       rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                                       attention_bias=attention_bias, inference_context=inference_context,
+                                       packed_seq_params=packed_seq_params, **kwargs)
+            attn, _ = self.self_attention(self.input_layernorm(hidden_states), attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                          attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            norm = self.pre_mlp_layernorm
+            normed, hidden = self.ops.add_rms_norm(attn, hidden_states, norm.weight, norm.eps)
+            out, _ = self.mlp(normed, padding_mask=kwargs.get("padding_mask"))
+            out = out + hidden
+            return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True), context
+
+    return FusedResidualTransformerLayer

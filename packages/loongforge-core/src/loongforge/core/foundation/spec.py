@@ -130,10 +130,11 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-    from loongforge.core.foundation.layers import RMSNorm, RotarySDPAttention, fused_qkv_attention_class, swiglu_mlp_class
+    from loongforge.core.foundation.layers import (RMSNorm, RotarySDPAttention, fused_qkv_attention_class, fused_residual_layer_class,
+                                                   swiglu_mlp_class)
     from loongforge.core.foundation.lora import linear_spec
 
     rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
@@ -146,7 +147,8 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
             return linear_spec(lora, f"decoder.layers.{i}.{name}", base)
 
         return ModuleSpec(
-            module=TransformerLayer,
+            module=fused_residual_layer_class(),
+            params={"ops": ops},
             submodules=TransformerLayerSubmodules(
                 input_layernorm=norm,
                 self_attention=ModuleSpec(
