@@ -188,8 +188,9 @@ def attention_layout_rows(shapes):
 
 def adamw_rows(copy_gbs, num_layers=24, hidden=2048, ffn=5632, vocab=32000):
     """One AdamW update over the bf16 parameters of the 1.3B config (the tensors the trainer
-    steps): the Triton kernel against torch's fused AdamW (core's reference)."""
-    from loongforge.kernels.adamw import adamw
+    steps): the Triton kernel against torch's fused AdamW (core's reference), then a sweep of the
+    kernel's launch parameters over the same tensors."""
+    from loongforge.kernels import adamw as k
 
     shapes = [(vocab, hidden), (vocab, hidden), (hidden,)] + [s for _ in range(num_layers) for s in
               ((3 * hidden, hidden), (hidden, hidden), (2 * ffn, hidden), (hidden, ffn), (hidden,), (hidden,))]
@@ -199,15 +200,25 @@ def adamw_rows(copy_gbs, num_layers=24, hidden=2048, ffn=5632, vocab=32000):
     steps = [torch.ones((), device="cuda") for _ in ps]
     scale = torch.tensor(1.5, device="cuda")
     n = sum(p.numel() for p in ps)
+    label = f"{n / 1e9:.3f}B bf16"
     rows = []
-    for name, fn in (("loongforge", adamw), ("torch fused (reference)", ref.adamw)):
+    for name, fn in (("loongforge", k.adamw), ("torch fused (reference)", ref.adamw)):
         def step(fn=fn):
             fn(ps, gs, ms, vs, steps, lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, grad_scale=scale)
-        rows.append(row("adamw step", f"{n / 1e9:.3f}B bf16", name, step, 14 * n, copy_gbs))
+        rows.append(row("adamw step", label, name, step, 14 * n, copy_gbs))
+    big = [i for i, p in enumerate(ps) if k._own_launch(p, gs[i], ms[i], vs[i])]
+    nbig = sum(ps[i].numel() for i in big)
+    for block, warps in ((512, 4), (1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+        def sweep(block=block, warps=warps):
+            coef = k.coefficients([steps[i] for i in big], 1e-4, 0.9, 0.95)
+            for row_i, i in enumerate(big):
+                k.launch(ps[i], gs[i], ms[i], vs[i], coef[row_i], scale, lr=1e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
+                         block=block, num_warps=warps)
+        rows.append(row("adamw launch sweep", f"{nbig / 1e9:.3f}B bf16", f"block {block} x {warps} warps", sweep, 14 * nbig, copy_gbs))
     return rows
 
 
-def linear_ce_rows(n=16384, h=4096, v=128256):
+def linear_ce_rows(copy_gbs, n=16384, h=4096, v=128256):
     from loongforge.kernels.linear_cross_entropy import linear_cross_entropy
 
     rows = []
@@ -254,9 +265,46 @@ def linear_ce_rows(n=16384, h=4096, v=128256):
     for name in runs:
         rows.append({"kernel": "linear+CE fwd+bwd", "shape": f"{n}x{h}x{v}", "setup": name, "ms": sorted(times[name])[2],
                      "graph ms": None, "extra GiB": extra[name]})
+    for name in ("loongforge fused", "liger fused"):
+        if name in runs:
+            kernel_breakdown(name, runs[name])
     hid.grad = None
     w.grad = None
-    return rows
+    return rows + ce_rows_sweep(min(n, 512), v, copy_gbs)
+
+
+def kernel_breakdown(name, run, top=6):
+    """Where one call's GPU time goes, by kernel (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    from profile_step import idle_gaps
+
+    events = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"{name}: {total:.1f} ms of kernels", flush=True)
+    for e in events[:top]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms  x{e.count:<4} {e.key[:110]}", flush=True)
+    idle_gaps(prof, 1, top=4)
+
+
+def ce_rows_sweep(rows_n, v, copy_gbs):
+    """The fused op's per-row softmax/gradient kernel alone on one chunk of bf16 logits (read
+    twice, written once), over its launch parameters."""
+    from loongforge.kernels import linear_cross_entropy as lce
+
+    logits = torch.randn(rows_n, v, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, v, (rows_n,), device="cuda")
+    tw = torch.full((rows_n,), 1.0 / rows_n, device="cuda")
+    loss = torch.empty(rows_n, device="cuda")
+    out = []
+    for block_v, warps in ((2048, 8), (4096, 8), (4096, 16), (8192, 16), (8192, 32), (16384, 16), (16384, 32), (32768, 32)):
+        def step(block_v=block_v, warps=warps):
+            lce.ce_rows(logits, labels, tw, loss, -100, 0.0, True, block_v=block_v, num_warps=warps)
+        out.append(row("CE rows (in place)", f"{rows_n}x{v}", f"block {block_v} x {warps} warps", step, 3 * logits.numel() * 2, copy_gbs))
+    return out
 
 
 def main():
@@ -284,7 +332,7 @@ def main():
     if "adamw" in only:
         rows += adamw_rows(copy_gbs) if not a.quick else adamw_rows(copy_gbs, num_layers=2)
     if "linear_ce" in only:
-        rows += linear_ce_rows() if not a.quick else linear_ce_rows(2048, 1024, 32000)
+        rows += linear_ce_rows(copy_gbs) if not a.quick else linear_ce_rows(copy_gbs, 2048, 1024, 32000)
     print("\n| kernel | shape | setup | ms | graph ms | GB/s | of copy | extra GiB |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         gms = f"{r['graph ms']:.3f}" if r.get("graph ms") is not None else ""
