@@ -221,7 +221,7 @@ def main():
         "hf compile": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.hf_checkpointing),
         "megatron local spec": lambda: megatron_local_step(mcfg, tokens),
     }
-    cli_setups = {"loongforge-llm train (CLI)": "masters", "loongforge-llm train (CLI, pure bf16)": "pure"}
+    cli_setups = {"loongforge-llm train (CLI)": "masters", "loongforge-llm train (CLI) pure bf16": "pure"}
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, params {mcfg.num_params() / 1e9:.3f}B, "
           f"{tok_per_step} tokens/step, {fpt / 1e9:.2f} GFLOP/token", flush=True)
     results = {}

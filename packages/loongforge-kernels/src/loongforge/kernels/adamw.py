@@ -27,21 +27,23 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _adamw_tensor(P, G, M, V, COEF, SCALE, n, lr, weight_decay, beta1, beta2, eps, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_tensor(P, G, M, V, COEF, SCALE, n, lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, HAS_SCALE: tl.constexpr,
+                  BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     step_size = tl.load(COEF)  # lr / (1 - beta1**step)
     bc2_sqrt = tl.load(COEF + 1)  # sqrt(1 - beta2**step)
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
-        g = g / tl.load(SCALE).to(tl.float32)
+        g = tl.div_rn(g, tl.load(SCALE).to(tl.float32))
     p = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(M + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
-    p = p - lr * weight_decay * p
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    p = p - lr_wd * p
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
+    # IEEE-rounded sqrt and division as torch's kernel has them (Triton's defaults are approximate)
+    p = p - tl.div_rn(step_size * m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps)
     tl.store(P + offs, p.to(P.dtype.element_ty), mask=mask)
     tl.store(M + offs, m.to(M.dtype.element_ty), mask=mask)
     tl.store(V + offs, v.to(V.dtype.element_ty), mask=mask)
@@ -49,10 +51,12 @@ def _adamw_tensor(P, G, M, V, COEF, SCALE, n, lr, weight_decay, beta1, beta2, ep
 
 def coefficients(steps: list, lr: float, beta1: float, beta2: float) -> torch.Tensor:
     """[n, 2] fp32 on the device: each tensor's step size lr / (1 - beta1**step) and
-    sqrt(1 - beta2**step), from its step count on the device, computed in fp64 as torch does
-    (the step counts are never read on the host)."""
+    sqrt(1 - beta2**step), from its step count on the device (never read on the host), rounded
+    where torch's fused kernel rounds them: powers in fp64 from the exact betas, both corrections
+    stored as fp32, the step size divided in fp64 and the square root taken in fp32."""
     step = torch.stack(steps).double()
-    return torch.stack([lr / (1 - beta1**step), (1 - beta2**step).sqrt()], dim=1).float()
+    bc1, bc2 = (1 - beta1**step).float(), (1 - beta2**step).float()
+    return torch.stack([(lr / bc1.double()).float(), bc2.sqrt()], dim=1)
 
 
 def _own_launch(p, g, m, v) -> bool:
@@ -64,8 +68,11 @@ def launch(p, g, m, v, coef, grad_scale, *, lr, weight_decay, beta1, beta2, eps,
     """One tensor's update; `coef` is its row of `coefficients` (exposed with its launch
     parameters for the benchmark's sweep)."""
     n = p.numel()
-    _adamw_tensor[(triton.cdiv(n, block),)](p, g, m, v, coef, grad_scale if grad_scale is not None else coef, n, lr, weight_decay, beta1,
-                                            beta2, eps, HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=num_warps)
+    # Triton's float scalars are fp32, so 1 - beta is formed here in double (as torch's kernel
+    # does) and rounded once: 1 - fp32(0.999) would be 1.3e-5 (110 fp32 eps) below 0.001.
+    _adamw_tensor[(triton.cdiv(n, block),)](p, g, m, v, coef, grad_scale if grad_scale is not None else coef, n, lr * weight_decay, beta1,
+                                            1.0 - beta1, beta2, 1.0 - beta2, eps, HAS_SCALE=grad_scale is not None, BLOCK=block,
+                                            num_warps=num_warps)
 
 
 def adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *, lr: float, beta1: float, beta2: float,
