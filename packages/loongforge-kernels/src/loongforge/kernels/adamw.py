@@ -52,11 +52,11 @@ def _adamw_tensor(P, G, M, V, COEF, SCALE, n, lr_wd, beta1, one_minus_beta1, bet
 def coefficients(steps: list, lr: float, beta1: float, beta2: float) -> torch.Tensor:
     """[n, 2] fp32 on the device: each tensor's step size lr / (1 - beta1**step) and
     sqrt(1 - beta2**step), from its step count on the device (never read on the host), rounded
-    where torch's fused kernel rounds them: powers in fp64 from the exact betas, both corrections
-    stored as fp32, the step size divided in fp64 and the square root taken in fp32."""
+    where torch's fused CUDA kernel rounds them: both corrections in fp64 from the exact betas and
+    then stored as fp32, the step size divided in fp64."""
     step = torch.stack(steps).double()
-    bc1, bc2 = (1 - beta1**step).float(), (1 - beta2**step).float()
-    return torch.stack([(lr / bc1.double()).float(), bc2.sqrt()], dim=1)
+    bc1 = (1 - beta1**step).float().double()
+    return torch.stack([lr / bc1, (1 - beta2**step).sqrt()], dim=1).float()
 
 
 def _own_launch(p, g, m, v) -> bool:
