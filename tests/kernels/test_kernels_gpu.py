@@ -141,7 +141,7 @@ def test_moe_permute_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_adamw_gpu(dtype, compare_adamw):
-    """Against torch's fused AdamW (the reference) with the bounds of `compare_adamw` (tests/kernels/
+    """Against torch's fused AdamW (the reference) with the bounds of `compare_adamw` (tests/
     conftest.py): a tensor of the 1.3B model's MLP shape, an odd one with its own launch and small
     ones that go to the reference."""
     from loongforge.kernels.adamw import MIN_NUMEL, adamw
