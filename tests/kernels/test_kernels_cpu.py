@@ -248,18 +248,20 @@ def test_model_with_fused_add_rms_norm_matches_megatron_layer():
         torch.testing.assert_close(ga[n], gb[n], **TOL, msg=n)
 
 
-def test_adamw_matches_torch_fused(compare_adamw):
-    """The AdamW kernel against torch's fused AdamW (core's reference; see `compare_adamw` for the
-    bounds): tensors large enough for their own launch (odd sizes, several blocks) and small ones
-    (which go to the reference), one tensor's step count ahead of the others. The interpreter does
-    scalar arithmetic in fp64, so the fp32 rounding of 1 - beta2 that a GPU launch would add (110
-    eps) shows only in the GPU test."""
+def test_adamw_matches_exact_update(compare_adamw):
+    """The AdamW kernel and torch's fused AdamW (core's reference) against the exact float64
+    update within fp32 rounding (`compare_adamw` in tests/conftest.py has the bounds): tensors
+    large enough for their own launch (odd sizes, several blocks) and small ones (which go to the
+    reference), one tensor's step count ahead of the others. The interpreter does scalar
+    arithmetic in fp64, so the fp32 rounding of 1 - beta2 that a GPU launch would add (110 eps)
+    shows only in the GPU test."""
     from loongforge.kernels import adamw as kernel
 
     torch.manual_seed(0)
     params = [torch.randn(s) for s in [(3, 5), (kernel.MIN_NUMEL + 7,), (2, kernel.MIN_NUMEL // 2 + 1), (1,)]]
     assert [kernel._own_launch(p, p, p, p) for p in params] == [False, True, True, False]
-    print(f"largest difference {compare_adamw(kernel.adamw, ref.adamw, params, [0, 0, 4, 0], 'cpu'):.3f} x the bound")
+    for name, update in (("kernel", kernel.adamw), ("torch fused", ref.adamw)):
+        print(name, {k: round(v, 3) for k, v in compare_adamw(update, params, [0, 0, 4, 0], "cpu").items()})
 
 
 def test_adamw_without_grad_scale():

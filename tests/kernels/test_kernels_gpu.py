@@ -141,14 +141,18 @@ def test_moe_permute_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_adamw_gpu(dtype, compare_adamw):
-    """Against torch's fused AdamW (the reference) with the bounds of `compare_adamw` (tests/
-    conftest.py): a tensor of the 1.3B model's MLP shape, an odd one with its own launch and small
-    ones that go to the reference."""
+    """Against the exact float64 update within fp32 rounding (`compare_adamw` in tests/conftest.py
+    has the bounds): a tensor of the 1.3B model's MLP shape, an odd one with its own launch and
+    small ones that go to torch's fused kernel. torch's CUDA fused AdamW itself is only reported:
+    it computes with fp32 betas, so its second moment sits up to 1.3e-5 (110 fp32 eps) below the
+    exact one (its bias correction, from the same fp32 beta2, compensates in the update)."""
     from loongforge.kernels.adamw import MIN_NUMEL, adamw
 
     torch.manual_seed(0)
     params = [torch.randn(s, device="cuda").to(dtype) for s in [(2048, 5632), (MIN_NUMEL + 7,), (7, 1000), (1,)]]
-    print(f"adamw {dtype}: largest difference {compare_adamw(adamw, ref.adamw, params, [0, 0, 0, 0], 'cuda'):.3f} x the bound")
+    ours = compare_adamw(adamw, params, [0, 0, 0, 0], "cuda")
+    torch_fused = compare_adamw(ref.adamw, params, [0, 0, 0, 0], "cuda", strict=False)
+    print(f"adamw {dtype}, largest difference as a fraction of the bound: ours {ours}, torch fused {torch_fused}")
 
 
 def test_model_with_kernels_matches_reference_ops_gpu():

@@ -19,7 +19,7 @@ Setups:
 - `loongforge trainer (reference ops)`: the same step with core's plain-torch op references.
 - `loongforge fp32 params + autocast`: the previous default (fp32 parameters, bf16 autocast),
   GPU op table.
-- `loongforge-llm train (CLI)` / `(CLI, pure bf16)`: the real command, `python -m loongforge.llm.cli
+- `loongforge-llm train (CLI)` / `(CLI) pure bf16`: the real command, `python -m loongforge.llm.cli
   train llama_1p3b` with this shape in a subprocess (its data loader, NaN/Inf guard and per-step
   logging with their host syncs included); ms/step is the median of the trainer's own step times
   over the last `--steps` steps, peak memory its logged peak.

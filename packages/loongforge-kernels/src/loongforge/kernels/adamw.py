@@ -5,9 +5,12 @@ the bf16 parameters of a 1.3B model. Here every tensor of at least MIN_NUMEL ele
 launch with its own addresses as arguments, so Triton knows they are 16-byte aligned and issues
 vector loads (a pointer table read on the device, tried in run 10, gave scalar loads and 13% of
 copy). Smaller tensors (norm weights, biases), where a launch would cost more than the update, go
-to torch's fused kernel together. The math is torch's fused AdamW's: fp32 arithmetic whatever the
-storage dtype, decoupled weight decay, gradients divided by `grad_scale` as they are read, bias
-corrections from each tensor's step count on the device (in fp64, as torch computes them).
+to torch's fused kernel together. The math is AdamW's (decoupled weight decay, gradients divided
+by `grad_scale` as they are read, bias corrections from each tensor's step count on the device)
+in fp32 whatever the storage dtype, with the hyperparameters rounded once from their exact values
+as torch's for-loop, foreach and CPU fused implementations do. (torch's CUDA fused kernel rounds
+the betas to fp32 first, so its second moment sits up to 110 fp32 eps below the exact one; the
+tests compare both with the exact float64 update.)
 """
 
 from __future__ import annotations
@@ -51,12 +54,10 @@ def _adamw_tensor(P, G, M, V, COEF, SCALE, n, lr_wd, beta1, one_minus_beta1, bet
 
 def coefficients(steps: list, lr: float, beta1: float, beta2: float) -> torch.Tensor:
     """[n, 2] fp32 on the device: each tensor's step size lr / (1 - beta1**step) and
-    sqrt(1 - beta2**step), from its step count on the device (never read on the host), rounded
-    where torch's fused CUDA kernel rounds them: both corrections in fp64 from the exact betas and
-    then stored as fp32, the step size divided in fp64."""
+    sqrt(1 - beta2**step), from its step count on the device (never read on the host), in fp64
+    from the exact betas and rounded once."""
     step = torch.stack(steps).double()
-    bc1 = (1 - beta1**step).float().double()
-    return torch.stack([lr / bc1, (1 - beta2**step).sqrt()], dim=1).float()
+    return torch.stack([lr / (1 - beta1**step), (1 - beta2**step).sqrt()], dim=1).float()
 
 
 def _own_launch(p, g, m, v) -> bool:
@@ -68,8 +69,8 @@ def launch(p, g, m, v, coef, grad_scale, *, lr, weight_decay, beta1, beta2, eps,
     """One tensor's update; `coef` is its row of `coefficients` (exposed with its launch
     parameters for the benchmark's sweep)."""
     n = p.numel()
-    # Triton's float scalars are fp32, so 1 - beta is formed here in double (as torch's kernel
-    # does) and rounded once: 1 - fp32(0.999) would be 1.3e-5 (110 fp32 eps) below 0.001.
+    # Triton's float scalars are fp32, so 1 - beta is formed here in double and rounded once:
+    # 1 - fp32(0.999) would be 1.3e-5 (110 fp32 eps) below 0.001.
     _adamw_tensor[(triton.cdiv(n, block),)](p, g, m, v, coef, grad_scale if grad_scale is not None else coef, n, lr * weight_decay, beta1,
                                             1.0 - beta1, beta2, 1.0 - beta2, eps, HAS_SCALE=grad_scale is not None, BLOCK=block,
                                             num_warps=num_warps)
