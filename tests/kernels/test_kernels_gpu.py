@@ -141,18 +141,22 @@ def test_moe_permute_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_adamw_gpu(dtype, compare_adamw):
-    """Against the exact float64 update within fp32 rounding (`compare_adamw` in tests/conftest.py
-    has the bounds): a tensor of the 1.3B model's MLP shape, an odd one with its own launch and
-    small ones that go to torch's fused kernel. torch's CUDA fused AdamW itself is only reported:
-    it computes with fp32 betas, so its second moment sits up to 1.3e-5 (110 fp32 eps) below the
-    exact one (its bias correction, from the same fp32 beta2, compensates in the update)."""
-    from loongforge.kernels.adamw import MIN_NUMEL, adamw
+    """The kernel's own launches (a tensor of the 1.3B model's MLP shape and an odd one) against the
+    exact float64 update within fp32 rounding (`compare_adamw` in tests/conftest.py has the
+    bounds). torch's CUDA fused AdamW, which also updates the kernel's small tensors, is only
+    reported: it computes with fp32 betas, so its second moment sits up to 1.3e-5 (110 fp32 eps)
+    below the exact one (its bias correction, from the same fp32 beta2, compensates in the
+    update)."""
+    from loongforge.kernels.adamw import MIN_NUMEL, _own_launch, adamw
 
     torch.manual_seed(0)
-    params = [torch.randn(s, device="cuda").to(dtype) for s in [(2048, 5632), (MIN_NUMEL + 7,), (7, 1000), (1,)]]
-    ours = compare_adamw(adamw, params, [0, 0, 0, 0], "cuda")
-    torch_fused = compare_adamw(ref.adamw, params, [0, 0, 0, 0], "cuda", strict=False)
-    print(f"adamw {dtype}, largest difference as a fraction of the bound: ours {ours}, torch fused {torch_fused}")
+    large = [torch.randn(s, device="cuda").to(dtype) for s in [(2048, 5632), (MIN_NUMEL + 7,)]]
+    assert all(_own_launch(p, p, p, p) for p in large)
+    ours = compare_adamw(adamw, large, [0, 0], "cuda")
+    mixed = large + [torch.randn(s, device="cuda").to(dtype) for s in [(7, 1000), (1,)]]
+    report = {name: compare_adamw(update, mixed, [0, 0, 0, 0], "cuda", strict=False) for name, update in
+              (("with small tensors", adamw), ("torch fused", ref.adamw))}
+    print(f"adamw {dtype}, largest difference as a fraction of the bound: own launches {ours}, {report}")
 
 
 def test_model_with_kernels_matches_reference_ops_gpu():
