@@ -118,13 +118,16 @@ def _adamw_bounds(p, m, v, g, step, *, lr, beta1, beta2, eps, dtype, **_):
       step_size/denom, roundings of the bias corrections, sqrt, divisions and the subtraction
       (about 10 e of the update); bound 16 e * (|p| + step_size * S_m / denom).
     In bf16/fp16 the stored value is rounded once more, by at most e of the value, which the
-    bounds cover since every S is at least the value it bounds."""
+    bounds cover since every S is at least the value it bounds. Every bound also allows one step
+    of the dtype's subnormal spacing (tiny * e), the fixed grid values below its smallest normal
+    number round to (fp16 moments of small gradients land there)."""
     e = torch.finfo(dtype).eps
+    floor = torch.finfo(dtype).tiny * e
     s_m = beta1 * m.abs() + (1 - beta1) * g.abs()
     s_v = beta2 * v + (1 - beta2) * g * g
     denom = s_v.sqrt() / math.sqrt(1 - beta2**step) + eps
     s_p = p.abs() + lr / (1 - beta1**step) * s_m / denom
-    return 16 * e * s_p, 4 * e * s_m, 4 * e * s_v
+    return 16 * e * s_p + floor, 4 * e * s_m + floor, 4 * e * s_v + floor
 
 
 @pytest.fixture
