@@ -99,6 +99,24 @@ def rows_file(tmp_path_factory) -> Path:
     f.write_text("".join(json.dumps(r) + "\n" for r in SFT_ROWS))
     return f
 
+def decoder_outputs(models: list, packed: bool = False) -> list:
+    """Each model's (logits, {name: gradient of mean(logits^2)}) for the same 12 random tokens: two
+    sequences, or with `packed` one THD pack of samples of 5, 4 and 3 tokens."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    x = torch.randint(0, models[0].vocab_size, (1 if packed else 2, 12))
+    kw = {}
+    if packed:
+        cu = torch.tensor([0, 5, 9, 12], dtype=torch.int32)
+        kw["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    outs = []
+    for m in models:
+        logits = m(x, None, None, **kw)
+        logits.square().mean().backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    return outs
+
+
 def _adamw_exact(p, m, v, g, step, *, lr, beta1, beta2, weight_decay, eps):
     """One AdamW update (decoupled weight decay, bias corrections) in float64: the exact math
     that an fp32 implementation rounds."""

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from conftest import decoder_outputs
+
 from loongforge.core.errors import UserError
 from loongforge.core.ops import OpTable, reference as ref
 
@@ -146,7 +148,6 @@ def test_fused_residual_layer_equals_megatron_layer(packed):
     """The layer whose attention residual add and MLP norm are one `add_rms_norm` call computes
     exactly what megatron's TransformerLayer computes with the same ops (forced off on a copy):
     logits and every gradient bit for bit, unpacked and packed (THD)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     from loongforge.core.foundation.families import LLAMA
     from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
@@ -164,17 +165,7 @@ def test_fused_residual_layer_equals_megatron_layer(packed):
     assert all(layer.fused for layer in fused.decoder.layers)
     for layer in plain.decoder.layers:
         layer.fused = False
-    x = torch.randint(0, 128, (1 if packed else 2, 12))
-    kw = {}
-    if packed:
-        cu = torch.tensor([0, 5, 9, 12], dtype=torch.int32)
-        kw["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
-    outs = []
-    for m in (fused, plain):
-        logits = m(x, None, None, **kw)
-        logits.square().mean().backward()
-        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
-    (la, ga), (lb, gb) = outs
+    (la, ga), (lb, gb) = decoder_outputs([fused, plain], packed)
     assert torch.equal(la, lb)
     for n in ga:
         assert torch.equal(ga[n], gb[n]), n

@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+from conftest import decoder_outputs
+
 from loongforge.core.ops import reference as ref
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -189,7 +191,6 @@ def test_model_with_fused_qkv_rope_matches_megatron_split(packed):
     from loongforge.core.ops import OpTable
     from loongforge.core.parallel import init_parallel
     from loongforge.kernels.qkv_rope import qkv_rope
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     ctx = init_parallel(1, 1, "gloo", "cpu")
     cfg = LLAMA.resolve(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, vocab_size=128))
@@ -200,17 +201,7 @@ def test_model_with_fused_qkv_rope_matches_megatron_split(packed):
     for layer in split.decoder.layers:
         layer.self_attention.fused = False  # megatron's forward: split views, rope in core attention
     assert all(layer.self_attention.fused for layer in fused.decoder.layers)
-    x = torch.randint(0, 128, (1 if packed else 2, 12))
-    kw = {}
-    if packed:
-        cu = torch.tensor([0, 5, 9, 12], dtype=torch.int32)
-        kw["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
-    outs = []
-    for m in (fused, split):
-        logits = m(x, None, None, **kw)
-        logits.square().mean().backward()
-        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
-    (la, ga), (lb, gb) = outs
+    (la, ga), (lb, gb) = decoder_outputs([fused, split], packed)
     torch.testing.assert_close(la, lb, **TOL)
     for n in ga:
         torch.testing.assert_close(ga[n], gb[n], **TOL, msg=n)
@@ -236,13 +227,7 @@ def test_model_with_fused_add_rms_norm_matches_megatron_layer():
         if p.dim() == 1:
             p.data.uniform_(0.5, 1.5)
     plain.load_state_dict(fused.state_dict())
-    x = torch.randint(0, 128, (2, 12))
-    outs = []
-    for m in (fused, plain):
-        logits = m(x, None, None)
-        logits.square().mean().backward()
-        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
-    (la, ga), (lb, gb) = outs
+    (la, ga), (lb, gb) = decoder_outputs([fused, plain])
     torch.testing.assert_close(la, lb, **TOL)
     for n in ga:
         torch.testing.assert_close(ga[n], gb[n], **TOL, msg=n)
