@@ -206,14 +206,11 @@ def adamw_rows(copy_gbs, num_layers=24, hidden=2048, ffn=5632, vocab=32000):
         def step(fn=fn):
             fn(ps, gs, ms, vs, steps, lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, grad_scale=scale)
         rows.append(row("adamw step", label, name, step, 14 * n, copy_gbs))
-    big = [i for i, p in enumerate(ps) if k._own_launch(p, gs[i], ms[i], vs[i])]
-    nbig = sum(ps[i].numel() for i in big)
+    big = [[t[i] for i, p in enumerate(ps) if k._own_launch(p, gs[i], ms[i], vs[i])] for t in (ps, gs, ms, vs, steps)]
+    nbig = sum(p.numel() for p in big[0])
     for block, warps in ((512, 4), (1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8)):
         def sweep(block=block, warps=warps):
-            coef = k.coefficients([steps[i] for i in big], 1e-4, 0.9, 0.95)
-            for row_i, i in enumerate(big):
-                k.launch(ps[i], gs[i], ms[i], vs[i], coef[row_i], scale, lr=1e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
-                         block=block, num_warps=warps)
+            k.adamw(*big, lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, grad_scale=scale, block=block, num_warps=warps)
         rows.append(row("adamw launch sweep", f"{nbig / 1e9:.3f}B bf16", f"block {block} x {warps} warps", sweep, 14 * nbig, copy_gbs))
     return rows
 

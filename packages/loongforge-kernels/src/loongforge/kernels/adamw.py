@@ -65,26 +65,24 @@ def _own_launch(p, g, m, v) -> bool:
             and all(t.is_contiguous() for t in (p, g, m, v)))
 
 
-def launch(p, g, m, v, coef, grad_scale, *, lr, weight_decay, beta1, beta2, eps, block=BLOCK, num_warps=NUM_WARPS) -> None:
-    """One tensor's update; `coef` is its row of `coefficients` (exposed with its launch
-    parameters for the benchmark's sweep)."""
-    n = p.numel()
-    # Triton's float scalars are fp32, so 1 - beta is formed here in double and rounded once:
-    # 1 - fp32(0.999) would be 1.3e-5 (110 fp32 eps) below 0.001.
-    _adamw_tensor[(triton.cdiv(n, block),)](p, g, m, v, coef, grad_scale if grad_scale is not None else coef, n, lr * weight_decay, beta1,
-                                            1.0 - beta1, beta2, 1.0 - beta2, eps, HAS_SCALE=grad_scale is not None, BLOCK=block,
-                                            num_warps=num_warps)
-
-
 def adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *, lr: float, beta1: float, beta2: float,
-          weight_decay: float, eps: float, grad_scale: Optional[torch.Tensor] = None) -> None:
-    own = [i for i, t in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)) if _own_launch(*t)]
+          weight_decay: float, eps: float, grad_scale: Optional[torch.Tensor] = None, block: int = BLOCK,
+          num_warps: int = NUM_WARPS) -> None:
+    """The op-table `adamw` (core's reference has its contract); `block` and `num_warps` are the
+    own launches' parameters, exposed for the benchmark's sweep."""
+    own, rest = [], []
+    for i, t in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        (own if _own_launch(*t) else rest).append(i)
     if own:
         coef = coefficients([steps[i] for i in own], lr, beta1, beta2)
+        scale = grad_scale if grad_scale is not None else coef  # any pointer when HAS_SCALE is off
         for row, i in enumerate(own):
-            launch(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], coef[row], grad_scale, lr=lr, weight_decay=weight_decay, beta1=beta1,
-                   beta2=beta2, eps=eps)
-    rest = sorted(set(range(len(params))) - set(own))
+            n = params[i].numel()
+            # Triton's float scalars are fp32, so 1 - beta is formed here in double and rounded
+            # once: 1 - fp32(0.999) would be 1.3e-5 (110 fp32 eps) below 0.001.
+            _adamw_tensor[(triton.cdiv(n, block),)](params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], coef[row], scale, n, lr * weight_decay,
+                                                    beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, HAS_SCALE=grad_scale is not None,
+                                                    BLOCK=block, num_warps=num_warps)
     if rest:
         reference.adamw(*([lst[i] for i in rest] for lst in (params, grads, exp_avgs, exp_avg_sqs, steps)), lr=lr, beta1=beta1,
                         beta2=beta2, weight_decay=weight_decay, eps=eps, grad_scale=grad_scale)

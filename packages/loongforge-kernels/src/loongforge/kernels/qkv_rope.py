@@ -22,6 +22,7 @@ from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
 from loongforge.kernels.rope import token_rotation
 
+
 @triton.jit
 def _qkv_rope(M, Q, K, V, POS, INV,
               sms, smb, smg, sqs, sqb, sqh, sks, skb, skh, svs, svb, svh, spb, sps,

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from loongforge.core.checkpoint import CheckpointDir, load_megatron, read_manifest, save_megatron, verify_files
 from loongforge.core.errors import UserError
+from loongforge.core.ops import OpTable
 from loongforge.core.parallel import on_rank0
 from loongforge.core.train.lr import lr_at
-from loongforge.core.ops import OpTable
 from loongforge.core.train.metrics import Metrics
 from loongforge.core.train.optimizer import TableAdamW
 from loongforge.core.train.pipeline import forward_backward
