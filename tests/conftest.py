@@ -183,3 +183,23 @@ def compare_adamw():
         return worst
 
     return compare
+
+
+def check_adamw_found_inf(update, device, dtype, large: int) -> None:
+    """An op-table `adamw` with `found_inf` = 1 leaves every tensor untouched (one of `large`
+    elements, an own launch in the kernel, and a small one); `found_inf` = 0 is the unguarded
+    update, bit for bit."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    base = [[torch.randn(s, device=device, generator=gen).to(dtype) for s in [(large,), (3, 7)]] for _ in range(3)]  # p, g, m
+    args = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, grad_scale=torch.tensor(1.5, device=device))
+    runs = {}
+    for flag in (None, 0.0, 1.0):
+        ps, gs, ms = ([t.clone() for t in ts] for ts in base)
+        vs = [m * m for m in ms]
+        update(ps, gs, ms, vs, [torch.tensor(3.0, device=device) for _ in ps], **args,
+               found_inf=None if flag is None else torch.tensor(flag, device=device))
+        runs[flag] = ps + ms + vs
+    original = base[0] + base[2] + [m * m for m in base[2]]
+    assert all(torch.equal(a, b) for a, b in zip(runs[1.0], original))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0.0], runs[None]))
+    assert not torch.equal(runs[None][0], original[0]) and not torch.equal(runs[None][1], original[1])

@@ -65,3 +65,27 @@ def test_table_adamw_state_is_torch_adamw_state():
     assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and float(st["step"]) == 1.0
     torch.testing.assert_close(st["exp_avg"], opt.state[ours[0]]["exp_avg"])
     assert back.param_groups[0]["lr"] == 1e-2 and back.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize("bad", ["grad", "loss"])
+def test_non_finite_step_changes_nothing(bad):
+    """The NaN/Inf guard on the device: a step whose gradient norm or loss is not finite leaves the
+    parameters, moments and step counts exactly as they were; the next finite step updates."""
+    ps = _params(torch.float32)
+    opt = TableAdamW(ps, lr=1e-2, weight_decay=0.1)
+    assert float(clipped_step(opt, grad_sq_norm(ps, "cpu").sqrt(), 1.0, torch.tensor(2.0))) == 0.0
+    before = [p.detach().clone() for p in ps]
+    state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(ps) if p in opt.state}
+    if bad == "grad":
+        ps[0].grad[1, 2] = float("nan")
+    loss = torch.tensor(float("inf") if bad == "loss" else 2.0)
+    assert float(clipped_step(opt, grad_sq_norm(ps, "cpu").sqrt(), 1.0, loss)) == 1.0
+    for a, b in zip(ps, before):
+        assert torch.equal(a, b)
+    for i, st in state.items():
+        for k, v in st.items():
+            assert torch.equal(opt.state[ps[i]][k], v), k
+    assert float(opt.state[ps[0]]["step"]) == 1.0
+    ps[0].grad = torch.ones_like(ps[0])
+    assert float(clipped_step(opt, grad_sq_norm(ps, "cpu").sqrt(), 1.0, torch.tensor(2.0))) == 0.0
+    assert not torch.equal(ps[0], before[0]) and float(opt.state[ps[0]]["step"]) == 2.0

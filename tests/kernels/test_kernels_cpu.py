@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import decoder_outputs
+from conftest import check_adamw_found_inf, decoder_outputs
 
 from loongforge.core.ops import reference as ref
 
@@ -261,3 +261,10 @@ def test_adamw_without_grad_scale():
         fn(ps, [grads[0].clone()], [torch.zeros_like(ps[0])], [torch.zeros_like(ps[0])], [torch.ones(())], lr=1e-2, beta1=0.9,
            beta2=0.999, weight_decay=0.1, eps=1e-8)
     torch.testing.assert_close(states[0][0], states[1][0], rtol=1e-6, atol=1e-7)
+
+
+def test_adamw_found_inf_skips():
+    from loongforge.kernels import adamw as kernel
+
+    for update in (kernel.adamw, ref.adamw):
+        check_adamw_found_inf(update, "cpu", torch.float32, kernel.MIN_NUMEL + 5)

@@ -6,6 +6,8 @@ kernel is as accurate as torch itself at that precision. NaN never passes."""
 import pytest
 import torch
 
+from conftest import check_adamw_found_inf
+
 from loongforge.core.ops import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -157,6 +159,14 @@ def test_adamw_gpu(dtype, compare_adamw):
     report = {name: compare_adamw(update, mixed, [0, 0, 0, 0], "cuda", strict=False) for name, update in
               (("with small tensors", adamw), ("torch fused", ref.adamw))}
     print(f"adamw {dtype}, largest difference as a fraction of the bound: own launches {ours}, {report}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_found_inf_skips_gpu(dtype):
+    from loongforge.kernels import adamw as kernel
+
+    for update in (kernel.adamw, ref.adamw):
+        check_adamw_found_inf(update, "cuda", dtype, 2048 * 5632)
 
 
 def test_model_with_kernels_matches_reference_ops_gpu():

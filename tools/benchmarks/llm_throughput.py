@@ -116,8 +116,8 @@ def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool
     def step():
         for p in trained:
             p.grad = None
-        forward_backward(model, [mb], ctx, act, torch.float32, tokens.device, acc.autocast)
-        clipped_step(opt, grad_sq_norm(trained, tokens.device).sqrt(), 1.0)
+        loss = forward_backward(model, [mb], ctx, act, torch.float32, tokens.device, acc.autocast)
+        clipped_step(opt, grad_sq_norm(trained, tokens.device).sqrt(), 1.0, loss)  # the trainer's guard too, on the device
         if low is not None:
             low.copy_to_model()
 

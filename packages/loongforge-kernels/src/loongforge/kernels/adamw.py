@@ -30,9 +30,11 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _adamw_tensor(P, G, M, V, COEF, SCALE, n, lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, HAS_SCALE: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _adamw_tensor(P, G, M, V, COEF, SCALE, FOUND_INF, n, lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+                  HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if HAS_FOUND_INF:  # a skipped step reads and writes nothing
+        n = tl.where(tl.load(FOUND_INF) == 0, n, 0)
     mask = offs < n
     step_size = tl.load(COEF)  # lr / (1 - beta1**step)
     bc2_sqrt = tl.load(COEF + 1)  # sqrt(1 - beta2**step)
@@ -66,8 +68,8 @@ def _own_launch(p, g, m, v) -> bool:
 
 
 def adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *, lr: float, beta1: float, beta2: float,
-          weight_decay: float, eps: float, grad_scale: Optional[torch.Tensor] = None, block: int = BLOCK,
-          num_warps: int = NUM_WARPS) -> None:
+          weight_decay: float, eps: float, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
+          block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
     """The op-table `adamw` (core's reference has its contract); `block` and `num_warps` are the
     own launches' parameters, exposed for the benchmark's sweep."""
     own, rest = [], []
@@ -76,13 +78,15 @@ def adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: l
     if own:
         coef = coefficients([steps[i] for i in own], lr, beta1, beta2)
         scale = grad_scale if grad_scale is not None else coef  # any pointer when HAS_SCALE is off
+        skip = found_inf if found_inf is not None else coef  # likewise for HAS_FOUND_INF
         for row, i in enumerate(own):
             n = params[i].numel()
             # Triton's float scalars are fp32, so 1 - beta is formed here in double and rounded
             # once: 1 - fp32(0.999) would be 1.3e-5 (110 fp32 eps) below 0.001.
-            _adamw_tensor[(triton.cdiv(n, block),)](params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], coef[row], scale, n, lr * weight_decay,
-                                                    beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, HAS_SCALE=grad_scale is not None,
+            _adamw_tensor[(triton.cdiv(n, block),)](params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], coef[row], scale, skip, n,
+                                                    lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+                                                    HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
                                                     BLOCK=block, num_warps=num_warps)
     if rest:
         reference.adamw(*([lst[i] for i in rest] for lst in (params, grads, exp_avgs, exp_avg_sqs, steps)), lr=lr, beta1=beta1,
-                        beta2=beta2, weight_decay=weight_decay, eps=eps, grad_scale=grad_scale)
+                        beta2=beta2, weight_decay=weight_decay, eps=eps, grad_scale=grad_scale, found_inf=found_inf)

@@ -184,12 +184,15 @@ def varlen_attention(
 
 
 def adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *, lr: float, beta1: float, beta2: float,
-          weight_decay: float, eps: float, grad_scale: Optional[torch.Tensor] = None) -> None:
+          weight_decay: float, eps: float, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
     """One AdamW update in place over lists of tensors (torch.optim.AdamW's math: decoupled weight
     decay, bias-corrected moments, fp32 arithmetic whatever the storage dtype). `steps` are the
     per-parameter step counts (fp32 0-d tensors), already counting this update; each gradient is
-    divided by `grad_scale` (0-d tensor) as it is read. The reference is torch's own fused kernel."""
+    divided by `grad_scale` (0-d tensor) as it is read. A nonzero `found_inf` (fp32 0-d tensor on
+    the device) leaves parameters and moments untouched, decided on the device (torch's GradScaler
+    contract; the caller keeps the step counts). The reference is torch's own fused kernel."""
     if params:
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale)
+                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
+                            found_inf=found_inf)
 

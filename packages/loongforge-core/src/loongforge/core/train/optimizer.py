@@ -1,7 +1,10 @@
 """AdamW whose update runs through the op table's `adamw` (torch's fused kernel in the reference,
 a faster one where a plugin registers it). Parameter groups, hyper-parameters, the state layout
 (`step`, `exp_avg`, `exp_avg_sq`, steps on the parameters' device) and so checkpoints are
-exactly torch.optim.AdamW's with fused=True; clipping arrives as its `grad_scale`."""
+exactly torch.optim.AdamW's with fused=True; clipping arrives as its `grad_scale` and the
+NaN/Inf guard's verdict as its `found_inf` (attributes, as torch's GradScaler sets them on fused
+optimizers): a skipped step is decided on the device and leaves parameters, moments and step
+counts as they were, so the host need not wait for it before queueing the update."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ class TableAdamW(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("TableAdamW.step takes no closure")
         scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             lists: dict[tuple, tuple[list, ...]] = {}  # one update call per (param dtype, grad dtype, device)
             for p in group["params"]:
@@ -40,7 +44,7 @@ class TableAdamW(torch.optim.AdamW):
                 steps.append(st["step"])
             beta1, beta2 = group["betas"]
             for ps, gs, ms, vs, steps in lists.values():
-                torch._foreach_add_(steps, 1)
+                torch._foreach_add_(steps, 1 if found_inf is None else [1 - found_inf] * len(steps))
                 self.update(ps, gs, ms, vs, steps, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                            eps=group["eps"], grad_scale=scale)
+                            eps=group["eps"], grad_scale=scale, found_inf=found_inf)
         return None

@@ -257,14 +257,14 @@ class Trainer:
                 self._finalize_grads(trained)
                 grad_norm = self._grad_norm(counted)
                 lr = lr_at(state["optimizer_steps"], cfg)
-                finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+                for g in optimizer.param_groups:
+                    g["lr"] = lr
+                found_inf = clipped_step(optimizer, grad_norm, cfg.clip_grad, loss)
+                if self.low_precision is not None:
+                    self.low_precision.copy_to_model()  # unchanged masters after a skipped step
+                finite = not bool(found_inf)  # the one wait, while the update runs
                 if finite:
                     state["bad_steps"] = 0
-                    for g in optimizer.param_groups:
-                        g["lr"] = lr
-                    clipped_step(optimizer, grad_norm, cfg.clip_grad)
-                    if self.low_precision is not None:
-                        self.low_precision.copy_to_model()
                     state["optimizer_steps"] += 1
                 else:
                     state["bad_steps"] += 1
@@ -332,14 +332,21 @@ def grad_sq_norm(params, device) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, clip: float) -> None:
-    """One step of an optimizer that honours `grad_scale` (TableAdamW, torch's fused optimizers) on
-    the gradients scaled by min(1, clip / (norm + 1e-6)) (unscaled when clip <= 0). The scale goes
-    in as the optimizer's `grad_scale` (torch's contract with its GradScaler: the update divides
-    each gradient by it as it reads it), so clipping costs no pass of its own over the gradients
-    and no host sync."""
+def clipped_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, clip: float, loss: torch.Tensor | None = None) -> torch.Tensor:
+    """One step of an optimizer that honours `grad_scale` and `found_inf` (TableAdamW, torch's fused
+    optimizers) on the gradients scaled by min(1, clip / (norm + 1e-6)) (unscaled when clip <= 0),
+    skipped where the gradient norm or `loss` is NaN/Inf. Both go in as the optimizer's attributes
+    (torch's contract with its GradScaler: the update divides each gradient by `grad_scale` as it
+    reads it and leaves everything as it was where `found_inf` is nonzero), so neither clipping nor
+    the guard costs a pass over the gradients or a host sync. Returns `found_inf` (fp32 0-d, on the
+    device): 1.0 where the step was skipped."""
+    bad = ~torch.isfinite(grad_norm)
+    if loss is not None:
+        bad |= ~torch.isfinite(loss)
     optimizer.grad_scale = torch.clamp((grad_norm.float() + 1e-6) / clip, min=1.0) if clip > 0 else None
+    optimizer.found_inf = bad.float()
     optimizer.step()
+    return optimizer.found_inf
 
 
 def _buckets(tensors, size):
