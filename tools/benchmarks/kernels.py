@@ -1,6 +1,9 @@
 """Kernel benchmarks on one GPU, baselines in the same process: LoongForge's Triton kernels
-against torch.compile of core's reference, torch's own op (F.rms_norm) and Liger-Kernel's
-kernel where one exists. Forward + backward, bf16.
+against torch.compile of core's reference, torch's own op (F.rms_norm), Liger-Kernel's kernel
+(RMSNorm, SwiGLU, RoPE, fused linear + CE) and megatron-core's MoE permute/unpermute where one
+exists. Forward + backward, bf16. The RoPE-on-q-and-k and MoE setups are first checked against
+the eager reference on the same inputs (outputs and gradients), so a peer called the wrong way
+stops the run instead of being timed.
 
     python tools/benchmarks/kernels.py                # every kernel at every benchmark shape
     python tools/benchmarks/kernels.py --only rms_norm --quick
@@ -126,6 +129,131 @@ def rope_rows(shapes, copy_gbs):
         nbytes = 4 * x.numel() * 2
         for name, fn in setups.items():
             rows.append(row("rope fwd+bwd", f"{b}x{s}x{h}x{d}", name, fwd_bwd(fn, [x], g), nbytes, copy_gbs))
+    return rows
+
+
+def agreement(setups, make_inputs, make_grads, tol):
+    """Every setup's outputs and input gradients against the first setup's (the eager reference)
+    on fresh inputs, before anything is timed: a peer called the wrong way fails here. Returns
+    {name: largest difference / largest reference magnitude} for the setups that ran (a peer that
+    fails to run on this machine is reported and left out); raises past `tol`."""
+    results, errors = {}, {}
+    for name, fn in setups.items():
+        inputs = [t.detach().clone().requires_grad_(True) for t in make_inputs()]
+        try:
+            outs = fn(*inputs)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            torch.autograd.backward(outs, [g.clone() for g in make_grads()])
+        except Exception as e:
+            if not results:
+                raise
+            print(f"  ({name} did not run: {type(e).__name__}: {str(e).splitlines()[0][:120]})", flush=True)
+            continue
+        results[name] = [o.detach().float() for o in outs] + [t.grad.float() for t in inputs]
+    want = next(iter(results.values()))
+    for name, got in results.items():
+        errors[name] = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, want))
+        if not errors[name] <= tol:  # NaN fails too
+            raise RuntimeError(f"{name} disagrees with the reference: relative difference {errors[name]:.3g} > {tol}")
+    return errors
+
+
+def rope_qk_setups(b, s, hq, hk, d, device):
+    """RoPE on a query and a key tensor ([b, s, heads, d], bf16) as a GQA attention layer needs it:
+    eager and torch.compile of the reference, our kernel on each tensor, and Liger's
+    LigerRopeFunction (both tensors in one launch, HF's [b, heads, s, d] view, the cos/sin tables
+    in bf16 as HF's rotary embedding builds them; it rotates its inputs in place). Returns
+    (make_inputs, make_grads, setups: name -> fn(q, k) -> (q', k') in [b, s, heads, d])."""
+    from loongforge.kernels.rope import rope
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q0, k0, gq, gk = (torch.randn(b, s, h, d, device=device, generator=gen).to(torch.bfloat16) for h in (hq, hk, hq, hk))
+    inv = ref.rope_inv_freq(d, 500000.0).to(device)
+    pos = torch.arange(s, device=device)
+    setups = {"eager reference": lambda q, k: (ref.rope(q, pos, inv), ref.rope(k, pos, inv)),
+              "loongforge": lambda q, k: (rope(q, pos, inv), rope(k, pos, inv))}
+    if device != "cpu":
+        setups["torch.compile(reference)"] = torch.compile(lambda q, k: (ref.rope(q, pos, inv), ref.rope(k, pos, inv)), dynamic=False)
+    lig = maybe(lambda: __import__("liger_kernel.ops.rope", fromlist=["LigerRopeFunction"]).LigerRopeFunction)
+    if lig is not None:
+        emb = torch.cat([pos.float()[:, None] * inv.float()] * 2, dim=-1)
+        cos, sin = emb.cos().to(torch.bfloat16)[None], emb.sin().to(torch.bfloat16)[None]
+
+        def liger(q, k):
+            qo, ko = lig.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            return qo.transpose(1, 2), ko.transpose(1, 2)
+        setups["liger"] = liger
+    return (lambda: (q0, k0)), (lambda: (gq, gk)), setups
+
+
+def rope_qk_rows(shapes, copy_gbs):
+    rows = []
+    for b, s, hq, hk, d in shapes:
+        make_inputs, make_grads, setups = rope_qk_setups(b, s, hq, hk, d, "cuda")
+        errors = agreement(setups, make_inputs, make_grads, 2e-2)
+        print(f"rope q+k {b}x{s}x({hq}+{hk})x{d}, relative difference to the eager reference:", {n: f"{e:.2g}" for n, e in errors.items()}, flush=True)
+        q, k = (t.clone().requires_grad_(True) for t in make_inputs())
+        gq, gk = (g.clone() for g in make_grads())
+        nbytes = 4 * (q.numel() + k.numel()) * 2  # fwd: read, write; bwd: read, write; per tensor
+
+        for name in errors:
+            def step(fn=setups[name]):
+                q.grad = k.grad = None
+                torch.autograd.backward(fn(q, k), [gq, gk])
+            rows.append(row("rope q+k fwd+bwd", f"{b}x{s}x({hq}+{hk})x{d}", name, step, nbytes, copy_gbs))
+    return rows
+
+
+def moe_setups(n, h, e, k, device):
+    """A MoE layer's token permute (each token's k copies grouped by expert) and unpermute (the
+    copies combined back, weighted by the router probabilities) around identity experts, bf16:
+    eager and torch.compile of the reference, our kernels, and megatron-core's `moe_utils.permute`
+    / `unpermute` (its local path: routing map and dense probabilities, no transformer-engine).
+    Returns (make_inputs, make_grads, setups: name -> fn(tokens [n, h], probs [n, k]) -> [n, h])."""
+    from loongforge.kernels import moe_permute as kmoe
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    x0 = torch.randn(n, h, device=device, generator=gen).to(torch.bfloat16)
+    top = torch.randn(n, e, device=device, generator=gen).topk(k)
+    ids, p0 = top.indices, top.values.softmax(-1)
+    g0 = torch.randn(n, h, device=device, generator=gen).to(torch.bfloat16)
+
+    def pipeline(permute, unpermute):
+        def f(x, probs):
+            permuted, row_ids, _ = permute(x, ids, e)
+            return unpermute(permuted, row_ids, probs)
+        return f
+
+    setups = {"eager reference": pipeline(ref.moe_permute, ref.moe_unpermute), "loongforge": pipeline(kmoe.moe_permute, kmoe.moe_unpermute)}
+    if device != "cpu":
+        setups["torch.compile(reference)"] = torch.compile(pipeline(ref.moe_permute, ref.moe_unpermute), dynamic=False)
+    mcore = maybe(lambda: __import__("megatron.core.transformer.moe.moe_utils", fromlist=["permute"]))
+    if mcore is not None:
+        routing_map = torch.zeros(n, e, dtype=torch.bool, device=device).scatter(1, ids, True)
+
+        def megatron(x, probs):
+            permuted, _, sorted_indices = mcore.permute(x, routing_map)
+            dense = torch.zeros(n, e, dtype=probs.dtype, device=device).scatter(1, ids, probs)
+            return mcore.unpermute(permuted, sorted_indices, x.shape, probs=dense, routing_map=routing_map)
+        setups["megatron-core moe_utils"] = megatron
+    return (lambda: (x0, p0)), (lambda: (g0,)), setups
+
+
+def moe_rows(shapes, copy_gbs):
+    rows = []
+    for n, h, e, k in shapes:
+        make_inputs, make_grads, setups = moe_setups(n, h, e, k, "cuda")
+        errors = agreement(setups, make_inputs, make_grads, 2e-2)
+        print(f"moe permute+unpermute {n}x{h}, top-{k} of {e}, relative difference to the eager reference:",
+              {name: f"{err:.2g}" for name, err in errors.items()}, flush=True)
+        x, probs = (t.clone().requires_grad_(True) for t in make_inputs())
+        (g,) = make_grads()
+        # permute fwd reads n rows, writes n*k; unpermute fwd reads n*k, writes n; unpermute bwd
+        # reads n (gradient) and n*k (its input, for the probabilities' gradient), writes n*k;
+        # permute bwd reads n*k, writes n
+        nbytes = (4 * n + 5 * n * k) * h * 2
+        for name in errors:
+            rows.append(row("moe permute+unpermute fwd+bwd", f"{n}x{h} top-{k}/{e}", name, fwd_bwd(setups[name], [x, probs], g), nbytes, copy_gbs))
     return rows
 
 
@@ -306,7 +434,7 @@ def ce_rows_sweep(rows_n, v, copy_gbs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="rms_norm,swiglu,rope,qkv_rope,attention_layout,adamw,linear_ce")
+    p.add_argument("--only", default="rms_norm,swiglu,rope,rope_qk,qkv_rope,moe,attention_layout,adamw,linear_ce")
     p.add_argument("--quick", action="store_true", help="one small shape per kernel")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -322,8 +450,13 @@ def main():
         rows += swiglu_rows([(t, f) for t in (8192, 32768) for f in (5632, 14336)] if not a.quick else [(8192, 5632)], copy_gbs)
     if "rope" in only:
         rows += rope_rows([(4, 2048, 16, 128), (1, 8192, 32, 128)] if not a.quick else [(4, 2048, 16, 128)], copy_gbs)
+    if "rope_qk" in only:
+        rows += rope_qk_rows([(4, 2048, 16, 16, 128), (1, 8192, 32, 8, 128)] if not a.quick else [(4, 2048, 16, 16, 128)], copy_gbs)
     if "qkv_rope" in only:
         rows += qkv_rope_rows([(2048, 4, 16, 1, 128), (4096, 1, 8, 4, 128)] if not a.quick else [(2048, 4, 16, 1, 128)], copy_gbs)
+    if "moe" in only:
+        rows += moe_rows([(8192, 4096, 8, 2), (32768, 4096, 8, 2), (8192, 2048, 128, 8), (32768, 2048, 128, 8)]
+                         if not a.quick else [(2048, 1024, 8, 2)], copy_gbs)
     if "attention_layout" in only:
         rows += attention_layout_rows([(2048, 4, 16, 128)] if not a.quick else [(512, 2, 4, 64)])
     if "adamw" in only:
