@@ -1,9 +1,11 @@
 """MoE token permute/unpermute in Triton: gather each token's k copies into expert order, and
 combine the expert outputs back per token, weighted by the router probabilities.
 
-Both directions are gathers (no atomics): `_gather` writes out[i] = w[i] * x[src[i]],
+Both directions are gathers (no atomics): `_gather` writes out[i] = x[src[i]],
 `_combine` writes out[t] = sum_j w[t, j] * x[pos[t, j]]. Permute's backward is a combine with
-unit weights, unpermute's a gather; the router-probability gradient is a row-wise dot product.
+unit weights; unpermute's (`_gather_dot`) gathers the probability-weighted incoming gradient and,
+in the same pass over the rows, takes the router-probability gradient (each permuted row's dot
+product with its token's incoming gradient: no [n*k, hidden] fp32 temporaries).
 The expert order itself is torch's stable sort of the expert ids.
 """
 
@@ -20,15 +22,29 @@ BLOCK_H = 1024
 
 
 @triton.jit
-def _gather(X, SRC, W, OUT, H, DIV, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gather(X, SRC, OUT, H, DIV, BLOCK_H: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    src = tl.load(SRC + i).to(tl.int64) // DIV
+    for start in range(0, H, BLOCK_H):
+        c = start + tl.arange(0, BLOCK_H)
+        tl.store(OUT + i * H + c, tl.load(X + src * H + c, mask=c < H, other=0.0), mask=c < H)
+
+
+@triton.jit
+def _gather_dot(X, SRC, W, OUT, Y, DW, H, DIV, BLOCK_H: tl.constexpr):
+    """out[i] = w[src[i]] * x[src[i] // DIV] and dw[src[i]] = <y[i], x[src[i] // DIV]> (fp32)."""
     i = tl.program_id(0).to(tl.int64)
     src_flat = tl.load(SRC + i).to(tl.int64)
     src = src_flat // DIV
-    scale = tl.load(W + src_flat).to(tl.float32) if HAS_W else 1.0
+    scale = tl.load(W + src_flat).to(tl.float32)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for start in range(0, H, BLOCK_H):
         c = start + tl.arange(0, BLOCK_H)
         x = tl.load(X + src * H + c, mask=c < H, other=0.0).to(tl.float32)
+        y = tl.load(Y + i * H + c, mask=c < H, other=0.0).to(tl.float32)
         tl.store(OUT + i * H + c, (x * scale).to(OUT.dtype.element_ty), mask=c < H)
+        acc += x * y
+    tl.store(DW + src_flat, tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -44,10 +60,10 @@ def _combine(X, POS, W, OUT, H, K, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
         tl.store(OUT + t * H + c, acc.to(OUT.dtype.element_ty), mask=c < H)
 
 
-def _gather_rows(x, src, div, weights=None):
+def _gather_rows(x, src, div):
     out = torch.empty((src.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
     if src.numel():
-        _gather[(src.numel(),)](x, src, weights if weights is not None else src, out, x.shape[1], div, HAS_W=weights is not None, BLOCK_H=BLOCK_H)
+        _gather[(src.numel(),)](x, src, out, x.shape[1], div, BLOCK_H=BLOCK_H)
     return out
 
 
@@ -81,20 +97,22 @@ class _Permute(torch.autograd.Function):
 class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, permuted, row_ids, probs):
-        pos = _positions(row_ids)
+        permuted = permuted.contiguous()
         p = probs.float().contiguous().reshape(-1)
-        ctx.save_for_backward(permuted, row_ids, pos, p)
+        ctx.save_for_backward(permuted, row_ids, p)
         ctx.k = probs.shape[1]
-        return _combine_rows(permuted.contiguous(), pos, ctx.k, p)
+        return _combine_rows(permuted, _positions(row_ids), ctx.k, p)
 
     @staticmethod
     def backward(ctx, dout):
-        permuted, row_ids, pos, p = ctx.saved_tensors
+        permuted, row_ids, p = ctx.saved_tensors
         dout = dout.contiguous()
-        dperm = _gather_rows(dout, row_ids, ctx.k, p)
-        n = dout.shape[0]
-        dprobs = (permuted[pos].float().view(n, ctx.k, -1) * dout.float()[:, None]).sum(-1)
-        return dperm, None, dprobs
+        n, h = dout.shape
+        dperm = torch.empty_like(permuted)
+        dprobs = torch.empty(n * ctx.k, dtype=torch.float32, device=dout.device)
+        if row_ids.numel():
+            _gather_dot[(row_ids.numel(),)](dout, row_ids, p, dperm, permuted, dprobs, h, ctx.k, BLOCK_H=BLOCK_H)
+        return dperm, None, dprobs.view(n, ctx.k)
 
 
 def moe_permute(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
