@@ -29,7 +29,7 @@ python3 -c "from loongforge.core.registry import registry; print('ops:', registr
 for part in $PARTS; do
   case $part in
     tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/llm/test_gpu.py tests/kernels/test_kernels_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log" ;;
-    kernels) timeout 300 python3 tools/benchmarks/kernels.py ${KERNEL_ARGS:-} --json "$OUT/kernels.json" 2>&1 | grep -v -i "warn" | tee "$OUT/kernels.log" ;;
+    kernels) timeout 500 python3 tools/benchmarks/kernels.py ${KERNEL_ARGS:-} --json "$OUT/kernels.json" 2>&1 | grep -v -i "warn" | tee "$OUT/kernels.log" ;;
     sft) timeout 240 python3 tools/benchmarks/sft_throughput.py --json "$OUT/sft_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/sft_throughput.log" ;;
     profile) timeout 200 python3 tools/benchmarks/profile_step.py ${PROFILE_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/profile_step.log" ;;
     llm) timeout 400 python3 tools/benchmarks/llm_throughput.py ${LLM_ARGS:-} ${LLM_SETUPS:+--setups "$LLM_SETUPS"} --json "$OUT/llm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/llm_throughput.log" ;;
