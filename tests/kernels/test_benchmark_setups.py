@@ -23,8 +23,8 @@ def test_benchmark_setups_agree(case):
     make = {"rope_qk": lambda: bench.rope_qk_setups(2, 7, 4, 2, 16, "cpu"),
             "moe_top2": lambda: bench.moe_setups(13, 24, 8, 2, "cpu"),
             "moe_top4": lambda: bench.moe_setups(17, 40, 16, 4, "cpu")}[case]
-    make_inputs, make_grads, setups = make()
-    errors = bench.agreement(setups, make_inputs, make_grads, 2e-2)
+    inputs, grads, setups = make()
+    errors = bench.agreement(setups, inputs, grads, 2e-2)
     assert "loongforge" in errors and (case == "rope_qk" or "megatron-core moe_utils" in errors), errors
     print(case, errors)
 
@@ -33,15 +33,15 @@ def test_agreement_catches_a_different_op():
     """The check fails a setup that computes another op (RoPE in the interleaved layout)."""
     from loongforge.core.ops import reference as ref
 
-    make_inputs, make_grads, setups = bench.rope_qk_setups(1, 5, 2, 2, 16, "cpu")
+    inputs, grads, setups = bench.rope_qk_setups(1, 5, 2, 2, 16, "cpu")
     inv = ref.rope_inv_freq(16, 500000.0)
     pos = torch.arange(5)
     setups["interleaved"] = lambda q, k: (ref.rope(q, pos, inv, True), ref.rope(k, pos, inv, True))
     with pytest.raises(RuntimeError, match="interleaved disagrees"):
-        bench.agreement(setups, make_inputs, make_grads, 2e-2)
+        bench.agreement(setups, inputs, grads, 2e-2)
 
 
 def test_agreement_leaves_out_a_peer_that_cannot_run():
-    make_inputs, make_grads, setups = bench.moe_setups(5, 8, 4, 2, "cpu")
+    inputs, grads, setups = bench.moe_setups(5, 8, 4, 2, "cpu")
     setups["broken peer"] = lambda x, probs: x[: len(x) + 99].view(-1, 3)
-    assert "broken peer" not in bench.agreement(setups, make_inputs, make_grads, 2e-2)
+    assert "broken peer" not in bench.agreement(setups, inputs, grads, 2e-2)

@@ -58,12 +58,12 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / ms / 1e6  # GB/s, read + write
 
 
-def fwd_bwd(fn, inputs, grad):
+def fwd_bwd(fn, inputs, grads):
+    """One forward + backward of `fn` (one output, or a tuple of them with a tuple of `grads`)."""
     def step():
         for t in inputs:
             t.grad = None
-        out = fn(*inputs)
-        out.backward(grad)
+        torch.autograd.backward(fn(*inputs), grads)
     return step
 
 
@@ -132,24 +132,24 @@ def rope_rows(shapes, copy_gbs):
     return rows
 
 
-def agreement(setups, make_inputs, make_grads, tol):
+def agreement(setups, inputs, grads, tol):
     """Every setup's outputs and input gradients against the first setup's (the eager reference)
-    on fresh inputs, before anything is timed: a peer called the wrong way fails here. Returns
+    on fresh copies of `inputs` and `grads`, before anything is timed: a peer called the wrong way fails here. Returns
     {name: largest difference / largest reference magnitude} for the setups that ran (a peer that
     fails to run on this machine is reported and left out); raises past `tol`."""
     results, errors = {}, {}
     for name, fn in setups.items():
-        inputs = [t.detach().clone().requires_grad_(True) for t in make_inputs()]
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
         try:
-            outs = fn(*inputs)
+            outs = fn(*leaves)
             outs = outs if isinstance(outs, tuple) else (outs,)
-            torch.autograd.backward(outs, [g.clone() for g in make_grads()])
+            torch.autograd.backward(outs, [g.clone() for g in grads])
         except Exception as e:
             if not results:
                 raise
             print(f"  ({name} did not run: {type(e).__name__}: {str(e).splitlines()[0][:120]})", flush=True)
             continue
-        results[name] = [o.detach().float() for o in outs] + [t.grad.float() for t in inputs]
+        results[name] = [o.detach().float() for o in outs] + [t.grad.float() for t in leaves]
     want = next(iter(results.values()))
     for name, got in results.items():
         errors[name] = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, want))
@@ -163,7 +163,7 @@ def rope_qk_setups(b, s, hq, hk, d, device):
     eager and torch.compile of the reference, our kernel on each tensor, and Liger's
     LigerRopeFunction (both tensors in one launch, HF's [b, heads, s, d] view, the cos/sin tables
     in bf16 as HF's rotary embedding builds them; it rotates its inputs in place). Returns
-    (make_inputs, make_grads, setups: name -> fn(q, k) -> (q', k') in [b, s, heads, d])."""
+    ((q, k), (grad q', grad k'), setups: name -> fn(q, k) -> (q', k') in [b, s, heads, d])."""
     from loongforge.kernels.rope import rope
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -183,24 +183,20 @@ def rope_qk_setups(b, s, hq, hk, d, device):
             qo, ko = lig.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             return qo.transpose(1, 2), ko.transpose(1, 2)
         setups["liger"] = liger
-    return (lambda: (q0, k0)), (lambda: (gq, gk)), setups
+    return (q0, k0), (gq, gk), setups
 
 
 def rope_qk_rows(shapes, copy_gbs):
     rows = []
     for b, s, hq, hk, d in shapes:
-        make_inputs, make_grads, setups = rope_qk_setups(b, s, hq, hk, d, "cuda")
-        errors = agreement(setups, make_inputs, make_grads, 2e-2)
+        inputs, grads, setups = rope_qk_setups(b, s, hq, hk, d, "cuda")
+        errors = agreement(setups, inputs, grads, 2e-2)
         print(f"rope q+k {b}x{s}x({hq}+{hk})x{d}, relative difference to the eager reference:", {n: f"{e:.2g}" for n, e in errors.items()}, flush=True)
-        q, k = (t.clone().requires_grad_(True) for t in make_inputs())
-        gq, gk = (g.clone() for g in make_grads())
+        q, k = (t.clone().requires_grad_(True) for t in inputs)
+        grads = [g.clone() for g in grads]
         nbytes = 4 * (q.numel() + k.numel()) * 2  # fwd: read, write; bwd: read, write; per tensor
-
         for name in errors:
-            def step(fn=setups[name]):
-                q.grad = k.grad = None
-                torch.autograd.backward(fn(q, k), [gq, gk])
-            rows.append(row("rope q+k fwd+bwd", f"{b}x{s}x({hq}+{hk})x{d}", name, step, nbytes, copy_gbs))
+            rows.append(row("rope q+k fwd+bwd", f"{b}x{s}x({hq}+{hk})x{d}", name, fwd_bwd(setups[name], [q, k], grads), nbytes, copy_gbs))
     return rows
 
 
@@ -209,7 +205,7 @@ def moe_setups(n, h, e, k, device):
     copies combined back, weighted by the router probabilities) around identity experts, bf16:
     eager and torch.compile of the reference, our kernels, and megatron-core's `moe_utils.permute`
     / `unpermute` (its local path: routing map and dense probabilities, no transformer-engine).
-    Returns (make_inputs, make_grads, setups: name -> fn(tokens [n, h], probs [n, k]) -> [n, h])."""
+    Returns ((tokens, probs), (grad,), setups: name -> fn(tokens [n, h], probs [n, k]) -> [n, h])."""
     from loongforge.kernels import moe_permute as kmoe
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -236,18 +232,18 @@ def moe_setups(n, h, e, k, device):
             dense = torch.zeros(n, e, dtype=probs.dtype, device=device).scatter(1, ids, probs)
             return mcore.unpermute(permuted, sorted_indices, x.shape, probs=dense, routing_map=routing_map)
         setups["megatron-core moe_utils"] = megatron
-    return (lambda: (x0, p0)), (lambda: (g0,)), setups
+    return (x0, p0), (g0,), setups
 
 
 def moe_rows(shapes, copy_gbs):
     rows = []
     for n, h, e, k in shapes:
-        make_inputs, make_grads, setups = moe_setups(n, h, e, k, "cuda")
-        errors = agreement(setups, make_inputs, make_grads, 2e-2)
+        inputs, grads, setups = moe_setups(n, h, e, k, "cuda")
+        errors = agreement(setups, inputs, grads, 2e-2)
         print(f"moe permute+unpermute {n}x{h}, top-{k} of {e}, relative difference to the eager reference:",
               {name: f"{err:.2g}" for name, err in errors.items()}, flush=True)
-        x, probs = (t.clone().requires_grad_(True) for t in make_inputs())
-        (g,) = make_grads()
+        x, probs = (t.clone().requires_grad_(True) for t in inputs)
+        (g,) = grads
         # permute fwd reads n rows, writes n*k; unpermute fwd reads n*k, writes n; unpermute bwd
         # reads n (gradient) and n*k (its input, for the probabilities' gradient), writes n*k;
         # permute bwd reads n*k, writes n
