@@ -26,6 +26,7 @@ class TableAdamW(torch.optim.AdamW):
             raise ValueError("TableAdamW.step takes no closure")
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        increment = 1 if found_inf is None else 1 - found_inf  # a skipped step does not count
         for group in self.param_groups:
             lists: dict[tuple, tuple[list, ...]] = {}  # one update call per (param dtype, grad dtype, device)
             for p in group["params"]:
@@ -44,7 +45,7 @@ class TableAdamW(torch.optim.AdamW):
                 steps.append(st["step"])
             beta1, beta2 = group["betas"]
             for ps, gs, ms, vs, steps in lists.values():
-                torch._foreach_add_(steps, 1 if found_inf is None else [1 - found_inf] * len(steps))
+                torch._foreach_add_(steps, increment if found_inf is None else [increment] * len(steps))
                 self.update(ps, gs, ms, vs, steps, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                             eps=group["eps"], grad_scale=scale, found_inf=found_inf)
         return None
