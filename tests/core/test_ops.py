@@ -50,17 +50,19 @@ def test_rope_matches_hf_apply_rotary():
     pos = torch.arange(s)
     emb = torch.cat([pos[:, None].float() * inv] * 2, -1)[None]  # HF's cos/sin layout [1, s, d]
     hq, hk = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), emb.cos(), emb.sin())
-    torch.testing.assert_close(ref.rope(q, pos, inv), hq.transpose(1, 2), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ref.rope(k, pos, inv), hk.transpose(1, 2), rtol=1e-6, atol=1e-6)
+    got_q, got_k = ref.rope(q, k, pos, inv)
+    torch.testing.assert_close(got_q, hq.transpose(1, 2), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, hk.transpose(1, 2), rtol=1e-6, atol=1e-6)
 
 
 def test_rope_partial_rotary_passes_the_rest_through():
     torch.manual_seed(0)
     x = torch.randn(1, 5, 2, 16)
     inv = ref.rope_inv_freq(8, 10000.0)  # rotary on the first 8 of 16 channels
-    out = ref.rope(x, torch.arange(5), inv)
+    out, out_k = ref.rope(x, x[:, :, :1], torch.arange(5), inv)
     torch.testing.assert_close(out[..., 8:], x[..., 8:], rtol=0, atol=0)
-    torch.testing.assert_close(out[..., :8], ref.rope(x[..., :8].contiguous(), torch.arange(5), inv))
+    torch.testing.assert_close(out[..., :8], ref.rope(x[..., :8].contiguous(), x[..., :8], torch.arange(5), inv)[0])
+    torch.testing.assert_close(out_k, out[:, :, :1])
     # position 0 is the identity rotation
     torch.testing.assert_close(out[:, 0], x[:, 0])
 
@@ -70,8 +72,8 @@ def test_rope_packed_position_ids():
     x = torch.randn(1, 6, 1, 8)
     inv = ref.rope_inv_freq(8, 10000.0)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
-    out = ref.rope(x, pos, inv)
-    torch.testing.assert_close(out[:, 3:], ref.rope(x[:, 3:], torch.arange(3), inv))
+    out, _ = ref.rope(x, x, pos, inv)
+    torch.testing.assert_close(out[:, 3:], ref.rope(x[:, 3:], x[:, 3:], torch.arange(3), inv)[0])
 
 
 def test_swiglu():
@@ -133,9 +135,9 @@ def test_model_computes_through_the_op_table():
     ctx = init_parallel(1, 1, "gloo", "cpu")
     model = build_gpt_model(QWEN3.resolve(ModelConfig(num_layers=2)), ctx, OpTable(impls))
     model(torch.randint(0, 256, (1, 8)), None, None)
-    # per layer: the input norm + q/k norms, the residual add with the MLP norm, 2 rope calls (q/k
+    # per layer: the input norm + q/k norms, the residual add with the MLP norm, 1 rope call (q/k
     # norms keep megatron's split), 1 attention, 1 swiglu; plus the final norm
-    assert calls == Counter({"rms_norm": 2 * 3 + 1, "add_rms_norm": 2, "rope": 4, "attention": 2, "swiglu": 2})
+    assert calls == Counter({"rms_norm": 2 * 3 + 1, "add_rms_norm": 2, "rope": 2, "attention": 2, "swiglu": 2})
     calls.clear()
     llama = build_gpt_model(LLAMA.resolve(ModelConfig(num_layers=2)), ctx, OpTable(impls))
     llama(torch.randint(0, 256, (1, 8)), None, None)

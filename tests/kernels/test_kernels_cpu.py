@@ -76,12 +76,15 @@ def test_rope(interleaved, rot, d):
     from loongforge.kernels.rope import rope
 
     torch.manual_seed(0)
-    b, s, h = 2, 7, 3
-    x = torch.randn(s, b, h, d).transpose(0, 1)  # [b, s, h, d] strided like the model's q/k
-    inv = ref.rope_inv_freq(rot, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 4})
-    for pos in (torch.arange(s), torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 6]])):
-        _compare(lambda a: rope(a, pos, inv, interleaved), lambda a: ref.rope(a, pos, inv, interleaved), [x], torch.randn(b, s, h, d))
+    b, s = 2, 7
+    for hq, hk in ((3, 1), (4, 4), (2, 5)):  # GQA, MHA, and more k heads than q heads
+        q = torch.randn(s, b, hq, d).transpose(0, 1)  # [b, s, h, d] strided like the model's q/k
+        k = torch.randn(b, s, hk, d)
+        inv = ref.rope_inv_freq(rot, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 4})
+        for pos in (torch.arange(s), torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 6]])):
+            _compare(lambda a, c: rope(a, c, pos, inv, interleaved), lambda a, c: ref.rope(a, c, pos, inv, interleaved), [q, k],
+                     (torch.randn(b, s, hq, d), torch.randn(b, s, hk, d)))
 
 
 @pytest.mark.parametrize("grad_layout", ["sbhd", "bshd"])
@@ -119,8 +122,8 @@ def test_rope_interleaved_reference_pairs_adjacent_channels():
     torch.manual_seed(0)
     x = torch.randn(1, 3, 1, 4)
     inv = ref.rope_inv_freq(4, 10000.0)
-    want = ref.rope(x[..., [0, 2, 1, 3]], torch.arange(3), inv)[..., [0, 2, 1, 3]]
-    torch.testing.assert_close(ref.rope(x, torch.arange(3), inv, interleaved=True), want)
+    want = ref.rope(x[..., [0, 2, 1, 3]], x[..., [0, 2, 1, 3]], torch.arange(3), inv)[0][..., [0, 2, 1, 3]]
+    torch.testing.assert_close(ref.rope(x, x, torch.arange(3), inv, interleaved=True)[0], want)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -153,12 +156,13 @@ def test_linear_cross_entropy_second_backward_is_refused():
         loss.backward()
 
 
-@pytest.mark.parametrize("h", [20, 2100])  # 2100: three column blocks in every kernel's loop
-def test_moe_permute_unpermute(h):
+# 2100 with k=3: three column blocks in every kernel's loop and a [4, 1024] tile with a masked row
+@pytest.mark.parametrize("h,k,e", [(20, 2, 4), (2100, 3, 5), (37, 1, 3)])
+def test_moe_permute_unpermute(h, k, e):
     from loongforge.kernels.moe_permute import moe_permute, moe_unpermute
 
     torch.manual_seed(0)
-    n, k, e = 9, 2, 4
+    n = 9
     tokens = torch.randn(n, h)
     experts = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
     probs = torch.rand(n, k)

@@ -72,15 +72,17 @@ def test_swiglu_gpu(dtype, rows, two_f):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("b,s,h,d,rot", [(2, 7, 3, 64, 64), (1, 2048, 16, 128, 128), (2, 33, 5, 96, 48)])
-def test_rope_gpu(dtype, interleaved, b, s, h, d, rot):
+@pytest.mark.parametrize("b,s,hq,hk,d,rot", [(2, 7, 3, 3, 64, 64), (1, 2048, 32, 8, 128, 128), (2, 33, 5, 2, 96, 48)])
+def test_rope_gpu(dtype, interleaved, b, s, hq, hk, d, rot):
     from loongforge.kernels.rope import rope
 
-    x = torch.randn(s, b, h, d, device="cuda", dtype=dtype).transpose(0, 1)
+    q = torch.randn(s, b, hq, d, device="cuda", dtype=dtype).transpose(0, 1)
+    k = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
     inv = ref.rope_inv_freq(rot, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 1024}).cuda()
     pos = torch.arange(s, device="cuda")
-    check(lambda a: rope(a, pos, inv, interleaved), lambda a: ref.rope(a, pos, inv, interleaved), [x], torch.randn(b, s, h, d, device="cuda"))
+    check(lambda a, c: rope(a, c, pos, inv, interleaved), lambda a, c: ref.rope(a, c, pos, inv, interleaved), [q, k],
+          (torch.randn(b, s, hq, d, device="cuda"), torch.randn(b, s, hk, d, device="cuda")))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -125,11 +127,11 @@ def test_varlen_attention_gpu(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_moe_permute_gpu(dtype):
+@pytest.mark.parametrize("n,hid,k,e", [(1000, 1000, 2, 8), (333, 2048, 8, 128)])
+def test_moe_permute_gpu(dtype, n, hid, k, e):
     from loongforge.kernels.moe_permute import moe_permute, moe_unpermute
 
-    n, hid, k, e = 1000, 1000, 2, 8
-    experts = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(n)])
+    experts = torch.rand(n, e, device="cuda").topk(k).indices
 
     def roundtrip(kp, ku):
         def f(t, p):
@@ -139,6 +141,41 @@ def test_moe_permute_gpu(dtype):
 
     check(roundtrip(moe_permute, moe_unpermute), roundtrip(ref.moe_permute, ref.moe_unpermute),
           [torch.randn(n, hid, device="cuda", dtype=dtype), torch.rand(n, k, device="cuda", dtype=dtype)], torch.randn(n, hid, device="cuda"))
+
+
+def test_moe_permute_in_a_cuda_graph():
+    """Permute, unpermute and their backward never wait for the host, so a CUDA graph holds
+    them; the replay on new routing gives the eager result."""
+    from loongforge.kernels.moe_permute import moe_permute, moe_unpermute
+
+    n, hid, k, e = 512, 256, 2, 8
+    x = torch.randn(n, hid, device="cuda", requires_grad=True)
+    probs = torch.rand(n, k, device="cuda", requires_grad=True)
+    experts = torch.rand(n, e, device="cuda").topk(k).indices
+    grad = torch.randn(n, hid, device="cuda")
+
+    def step():
+        x.grad = probs.grad = None
+        perm, rows, counts = moe_permute(x, experts, e)
+        out = moe_unpermute(perm * 2.0, rows, probs)
+        out.backward(grad)
+        return out, counts
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, counts = step()
+    experts.copy_(torch.rand(n, e, device="cuda").topk(k).indices)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = (out.clone(), counts.clone(), x.grad.clone(), probs.grad.clone())
+    want_out, want_counts = step()
+    for a, b in zip(got, (want_out, want_counts, x.grad, probs.grad)):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

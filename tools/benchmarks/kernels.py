@@ -1,7 +1,7 @@
 """Kernel benchmarks on one GPU, baselines in the same process: LoongForge's Triton kernels
 against torch.compile of core's reference, torch's own op (F.rms_norm), Liger-Kernel's kernel
 (RMSNorm, SwiGLU, RoPE, fused linear + CE) and megatron-core's MoE permute/unpermute where one
-exists. Forward + backward, bf16. The RoPE-on-q-and-k and MoE setups are first checked against
+exists. Forward + backward, bf16. The RoPE and MoE setups are first checked against
 the eager reference on the same inputs (outputs and gradients), so a peer called the wrong way
 stops the run instead of being timed.
 
@@ -115,23 +115,6 @@ def swiglu_rows(shapes, copy_gbs):
     return rows
 
 
-def rope_rows(shapes, copy_gbs):
-    from loongforge.kernels.rope import rope
-
-    rows = []
-    for b, s, h, d in shapes:
-        x = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        g = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-        inv = ref.rope_inv_freq(d, 500000.0).cuda()
-        pos = torch.arange(s, device="cuda")
-        setups = {"loongforge": lambda a: rope(a, pos, inv), "torch.compile(reference)": torch.compile(lambda a: ref.rope(a, pos, inv), dynamic=False),
-                  "eager reference": lambda a: ref.rope(a, pos, inv)}
-        nbytes = 4 * x.numel() * 2
-        for name, fn in setups.items():
-            rows.append(row("rope fwd+bwd", f"{b}x{s}x{h}x{d}", name, fwd_bwd(fn, [x], g), nbytes, copy_gbs))
-    return rows
-
-
 def agreement(setups, inputs, grads, tol):
     """Every setup's outputs and input gradients against the first setup's (the eager reference)
     on fresh copies of `inputs` and `grads`, before anything is timed: a peer called the wrong way fails here. Returns
@@ -158,11 +141,11 @@ def agreement(setups, inputs, grads, tol):
     return errors
 
 
-def rope_qk_setups(b, s, hq, hk, d, device):
+def rope_setups(b, s, hq, hk, d, device):
     """RoPE on a query and a key tensor ([b, s, heads, d], bf16) as a GQA attention layer needs it:
-    eager and torch.compile of the reference, our kernel on each tensor, and Liger's
-    LigerRopeFunction (both tensors in one launch, HF's [b, heads, s, d] view, the cos/sin tables
-    in bf16 as HF's rotary embedding builds them; it rotates its inputs in place). Returns
+    eager and torch.compile of the reference, our kernel (both tensors in one launch), and Liger's
+    LigerRopeFunction (also one launch; HF's [b, heads, s, d] view, the cos/sin tables in bf16 as
+    HF's rotary embedding builds them; it rotates its inputs in place). Returns
     ((q, k), (grad q', grad k'), setups: name -> fn(q, k) -> (q', k') in [b, s, heads, d])."""
     from loongforge.kernels.rope import rope
 
@@ -170,10 +153,9 @@ def rope_qk_setups(b, s, hq, hk, d, device):
     q0, k0, gq, gk = (torch.randn(b, s, h, d, device=device, generator=gen).to(torch.bfloat16) for h in (hq, hk, hq, hk))
     inv = ref.rope_inv_freq(d, 500000.0).to(device)
     pos = torch.arange(s, device=device)
-    setups = {"eager reference": lambda q, k: (ref.rope(q, pos, inv), ref.rope(k, pos, inv)),
-              "loongforge": lambda q, k: (rope(q, pos, inv), rope(k, pos, inv))}
+    setups = {"eager reference": lambda q, k: ref.rope(q, k, pos, inv), "loongforge": lambda q, k: rope(q, k, pos, inv)}
     if device != "cpu":
-        setups["torch.compile(reference)"] = torch.compile(lambda q, k: (ref.rope(q, pos, inv), ref.rope(k, pos, inv)), dynamic=False)
+        setups["torch.compile(reference)"] = torch.compile(lambda q, k: ref.rope(q, k, pos, inv), dynamic=False)
     lig = maybe(lambda: __import__("liger_kernel.ops.rope", fromlist=["LigerRopeFunction"]).LigerRopeFunction)
     if lig is not None:
         emb = torch.cat([pos.float()[:, None] * inv.float()] * 2, dim=-1)
@@ -186,17 +168,27 @@ def rope_qk_setups(b, s, hq, hk, d, device):
     return (q0, k0), (gq, gk), setups
 
 
-def rope_qk_rows(shapes, copy_gbs):
+def rope_rows(shapes, copy_gbs, sweep=((4, 2), (8, 4), (16, 4), (32, 8)), device="cuda"):
+    """Forward + backward of every setup, then our forward alone at the default launch parameters
+    (8 q heads per program, 2 warps) and others: the backward is the same kernel."""
+    from loongforge.kernels import rope as krope
+
     rows = []
     for b, s, hq, hk, d in shapes:
-        inputs, grads, setups = rope_qk_setups(b, s, hq, hk, d, "cuda")
+        shape = f"{b}x{s}x({hq}+{hk})x{d}"
+        inputs, grads, setups = rope_setups(b, s, hq, hk, d, device)
         errors = agreement(setups, inputs, grads, 2e-2)
-        print(f"rope q+k {b}x{s}x({hq}+{hk})x{d}, relative difference to the eager reference:", {n: f"{e:.2g}" for n, e in errors.items()}, flush=True)
+        print(f"rope q+k {shape}, relative difference to the eager reference:", {n: f"{e:.2g}" for n, e in errors.items()}, flush=True)
         q, k = (t.clone().requires_grad_(True) for t in inputs)
         grads = [g.clone() for g in grads]
         nbytes = 4 * (q.numel() + k.numel()) * 2  # fwd: read, write; bwd: read, write; per tensor
         for name in errors:
-            rows.append(row("rope q+k fwd+bwd", f"{b}x{s}x({hq}+{hk})x{d}", name, fwd_bwd(setups[name], [q, k], grads), nbytes, copy_gbs))
+            rows.append(row("rope q+k fwd+bwd", shape, name, fwd_bwd(setups[name], [q, k], grads), nbytes, copy_gbs))
+        pos, inv = torch.arange(s, device=device), ref.rope_inv_freq(d, 500000.0).to(device)
+        for block_h, warps in ((8, 2),) + tuple(sweep):
+            def fwd(block_h=block_h, warps=warps):
+                krope._launch(q, k, pos, inv, False, 1.0, block_h, warps)
+            rows.append(row("rope q+k fwd", shape, f"loongforge {block_h} heads, {warps} warps", fwd, nbytes // 2, copy_gbs))
     return rows
 
 
@@ -205,7 +197,8 @@ def moe_setups(n, h, e, k, device):
     copies combined back, weighted by the router probabilities) around identity experts, bf16:
     eager and torch.compile of the reference, our kernels, and megatron-core's `moe_utils.permute`
     / `unpermute` (its local path: routing map and dense probabilities, no transformer-engine).
-    Returns ((tokens, probs), (grad,), setups: name -> fn(tokens [n, h], probs [n, k]) -> [n, h])."""
+    Returns ((tokens, probs), (grad,), setups: name -> fn(tokens [n, h], probs [n, k]) -> [n, h],
+    expert ids [n, k])."""
     from loongforge.kernels import moe_permute as kmoe
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -232,13 +225,17 @@ def moe_setups(n, h, e, k, device):
             dense = torch.zeros(n, e, dtype=probs.dtype, device=device).scatter(1, ids, probs)
             return mcore.unpermute(permuted, sorted_indices, x.shape, probs=dense, routing_map=routing_map)
         setups["megatron-core moe_utils"] = megatron
-    return (x0, p0), (g0,), setups
+    return (x0, p0), (g0,), setups, ids
 
 
-def moe_rows(shapes, copy_gbs):
+def moe_rows(shapes, copy_gbs, sweep=((2048, 4), (4096, 8), (8192, 8), (8192, 16)), device="cuda"):
+    """Forward + backward of every setup, then our permute + unpermute forward kernels alone (no
+    sort) at the default launch parameters (4096-element tiles, 4 warps) and others."""
+    from loongforge.kernels import moe_permute as kmoe
+
     rows = []
     for n, h, e, k in shapes:
-        inputs, grads, setups = moe_setups(n, h, e, k, "cuda")
+        inputs, grads, setups, ids = moe_setups(n, h, e, k, device)
         errors = agreement(setups, inputs, grads, 2e-2)
         print(f"moe permute+unpermute {n}x{h}, top-{k} of {e}, relative difference to the eager reference:",
               {name: f"{err:.2g}" for name, err in errors.items()}, flush=True)
@@ -250,6 +247,14 @@ def moe_rows(shapes, copy_gbs):
         nbytes = (4 * n + 5 * n * k) * h * 2
         for name in errors:
             rows.append(row("moe permute+unpermute fwd+bwd", f"{n}x{h} top-{k}/{e}", name, fwd_bwd(setups[name], [x, probs], g), nbytes, copy_gbs))
+        pos = kmoe._positions(ref.moe_order(ids, e)[0], k)
+        permuted = kmoe._scatter_rows(x.detach(), pos)
+        for tile, warps in ((kmoe.TILE, 4),) + tuple(sweep):
+            def fwd(tile=tile, warps=warps):
+                kmoe._scatter_rows(x, pos, tile=tile, num_warps=warps)
+                kmoe._combine_rows(permuted, pos, probs, tile=tile, num_warps=warps)
+            rows.append(row("moe permute+unpermute fwd kernels", f"{n}x{h} top-{k}/{e}", f"loongforge tile {tile}, {warps} warps", fwd,
+                            2 * (n + n * k) * h * 2, copy_gbs))
     return rows
 
 
@@ -264,8 +269,8 @@ def qkv_rope_rows(shapes, copy_gbs):
         s, b, g, w = m.shape
         d = w // (r + 2)
         q, k, v = torch.split(m, [r * d, d, d], dim=3)
-        q = rope(q.reshape(s, b, g * r, d).transpose(0, 1), pos, inv)
-        return q, rope(k.transpose(0, 1), pos, inv), v
+        q, k = rope(q.reshape(s, b, g * r, d).transpose(0, 1), k.transpose(0, 1), pos, inv)
+        return q, k, v
 
     rows = []
     for s, b, g, r, d in shapes:
@@ -430,7 +435,7 @@ def ce_rows_sweep(rows_n, v, copy_gbs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="rms_norm,swiglu,rope,rope_qk,qkv_rope,moe,attention_layout,adamw,linear_ce")
+    p.add_argument("--only", default="rms_norm,swiglu,rope,qkv_rope,moe,attention_layout,adamw,linear_ce")
     p.add_argument("--quick", action="store_true", help="one small shape per kernel")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -445,9 +450,8 @@ def main():
     if "swiglu" in only:
         rows += swiglu_rows([(t, f) for t in (8192, 32768) for f in (5632, 14336)] if not a.quick else [(8192, 5632)], copy_gbs)
     if "rope" in only:
-        rows += rope_rows([(4, 2048, 16, 128), (1, 8192, 32, 128)] if not a.quick else [(4, 2048, 16, 128)], copy_gbs)
-    if "rope_qk" in only:
-        rows += rope_qk_rows([(4, 2048, 16, 16, 128), (1, 8192, 32, 8, 128)] if not a.quick else [(4, 2048, 16, 16, 128)], copy_gbs)
+        rows += rope_rows([(4, 2048, 16, 16, 128), (1, 8192, 32, 8, 128), (4, 8192, 32, 8, 128)]
+                          if not a.quick else [(4, 2048, 16, 16, 128)], copy_gbs)
     if "qkv_rope" in only:
         rows += qkv_rope_rows([(2048, 4, 16, 1, 128), (4096, 1, 8, 4, 128)] if not a.quick else [(2048, 4, 16, 1, 128)], copy_gbs)
     if "moe" in only:

@@ -2,9 +2,9 @@
 (the channels past the rotary dimension are copied), any inverse frequencies (llama3 / linear
 scaling are computed into them), per-token position ids (packed sequences restart them).
 
-One program rotates a block of heads of one token (8 heads, 2 warps: the fastest of a sweep on an
-H200); angles are computed in fp32 from the position and the inverse frequency. The backward is
-the rotation by the negative angle.
+Queries and keys are rotated in one launch: one program rotates a block of q heads of one token
+(8, 2 warps) and the matching share of its k heads; angles are computed once, in fp32, from the
+position and the inverse frequency. The backward is the rotation by the negative angle.
 """
 
 from __future__ import annotations
@@ -35,66 +35,85 @@ def token_rotation(POS, INV, HALF, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.con
 
 
 @triton.jit
-def _rope(X, OUT, POS, INV, sxb, sxs, sxh, sob, sos, soh, spb, sps, S, H, D, HALF, SIGN: tl.constexpr,
-          INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    tok = tl.program_id(0)
-    b = (tok // S).to(tl.int64)
-    s = (tok % S).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _rotate_heads(xb, ob, h, H, sxh, soh, cos, sin, c1, c2, im, D, HALF, HAS_PASS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate heads `h` (a block; those >= H masked) of one token: xb/ob point at the token."""
     hm = h < H
-    cos, sin, c1, c2, im = token_rotation(POS + b * spb + s * sps, INV, HALF, INTERLEAVED, BLOCK_HALF)
-    cos = cos[None, :]
-    sin = (sin * SIGN)[None, :]
-    xb = X + b * sxb + s * sxs + h[:, None].to(tl.int64) * sxh
-    ob = OUT + b * sob + s * sos + h[:, None].to(tl.int64) * soh
+    xb = xb + h[:, None].to(tl.int64) * sxh
+    ob = ob + h[:, None].to(tl.int64) * soh
     m = hm[:, None] & im[None, :]
     x1 = tl.load(xb + c1[None, :], mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(xb + c2[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(ob + c1[None, :], (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=m)
-    tl.store(ob + c2[None, :], (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=m)
+    tl.store(ob + c1[None, :], (x1 * cos - x2 * sin).to(ob.dtype.element_ty), mask=m)
+    tl.store(ob + c2[None, :], (x2 * cos + x1 * sin).to(ob.dtype.element_ty), mask=m)
     if HAS_PASS:
         p = tl.arange(0, BLOCK_D)
         pm = hm[:, None] & ((p >= 2 * HALF) & (p < D))[None, :]
         tl.store(ob + p[None, :], tl.load(xb + p[None, :], mask=pm, other=0.0), mask=pm)
 
 
-def _launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, sign: float,
-            block_h: int = 8, num_warps: int = 2) -> torch.Tensor:
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    b, s, h, d = x.shape
+@triton.jit
+def _rope(Q, K, QO, KO, POS, INV, sqb, sqs, sqh, skb, sks, skh, sob, sos, skob, skos, spb, sps, S, HQ, HK, D, HALF,
+          SIGN: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+          BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (token, j) rotates q heads [j*BLOCK_HQ, ...) and k heads [j*BLOCK_HK, ...) of the
+    token with one cos/sin computation. Outputs are contiguous [b, s, heads, d]."""
+    tok = tl.program_id(0)
+    b = (tok // S).to(tl.int64)
+    s = (tok % S).to(tl.int64)
+    j = tl.program_id(1)
+    cos, sin, c1, c2, im = token_rotation(POS + b * spb + s * sps, INV, HALF, INTERLEAVED, BLOCK_HALF)
+    cos = cos[None, :]
+    sin = (sin * SIGN)[None, :]
+    _rotate_heads(Q + b * sqb + s * sqs, QO + b * sob + s * sos, j * BLOCK_HQ + tl.arange(0, BLOCK_HQ), HQ, sqh, D,
+                  cos, sin, c1, c2, im, D, HALF, HAS_PASS, BLOCK_D)
+    _rotate_heads(K + b * skb + s * sks, KO + b * skob + s * skos, j * BLOCK_HK + tl.arange(0, BLOCK_HK), HK, skh, D,
+                  cos, sin, c1, c2, im, D, HALF, HAS_PASS, BLOCK_D)
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, sign: float,
+            block_h: int = 8, num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_h` q heads per program (and k heads in the same proportion, rounded up to a power of 2)."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
     half = inv_freq.numel()
-    out = torch.empty((b, s, h, d), dtype=x.dtype, device=x.device)
+    qo = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
+    ko = torch.empty((b, s, hk, d), dtype=k.dtype, device=k.device)
     pos = positions if positions.dim() == 2 else positions[None]
     spb = pos.stride(0) if pos.shape[0] > 1 else 0
-    block_h = min(block_h, triton.next_power_of_2(h))
+    blocks = triton.cdiv(hq, min(block_h, triton.next_power_of_2(hq)))
     if b * s:
-        _rope[(b * s, triton.cdiv(h, block_h))](
-            x, out, pos, inv_freq, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2), spb, pos.stride(1),
-            s, h, d, half, SIGN=sign, INTERLEAVED=interleaved, HAS_PASS=2 * half < d, BLOCK_H=block_h,
-            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps,
+        _rope[(b * s, blocks)](
+            q, k, qo, ko, pos, inv_freq, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), spb, pos.stride(1), s, hq, hk, d, half,
+            SIGN=sign, INTERLEAVED=interleaved, HAS_PASS=2 * half < d, BLOCK_HQ=triton.next_power_of_2(triton.cdiv(hq, blocks)),
+            BLOCK_HK=triton.next_power_of_2(triton.cdiv(hk, blocks)), BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps,
         )
-    return out
+    return qo, ko
 
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, positions, inv_freq, interleaved):
+    def forward(ctx, q, k, positions, inv_freq, interleaved):
         ctx.save_for_backward(positions, inv_freq)
         ctx.interleaved = interleaved
-        return _launch(x, positions, inv_freq, interleaved, 1.0)
+        return _launch(q, k, positions, inv_freq, interleaved, 1.0)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dq, dk):
         positions, inv_freq = ctx.saved_tensors
-        return _launch(dy, positions, inv_freq, ctx.interleaved, -1.0), None, None, None
+        return *_launch(dq, dk, positions, inv_freq, ctx.interleaved, -1.0), None, None, None
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    if x.dtype not in KERNEL_DTYPES or x.dim() != 4 or 2 * inv_freq.numel() > x.shape[-1]:
-        return reference.rope(x, positions, inv_freq, interleaved)
-    inv = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
-    pos = positions.to(x.device)
-    if pos.dim() == 2 and pos.shape[0] not in (1, x.shape[0]):
-        raise ValueError(f"positions of shape {tuple(pos.shape)} do not fit x of shape {tuple(x.shape)}")
-    return _Rope.apply(x, pos, inv, interleaved)
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+         interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if (q.dtype not in KERNEL_DTYPES or q.dtype != k.dtype or q.dim() != 4 or k.shape[:2] != q.shape[:2]
+            or k.shape[3] != q.shape[3] or 2 * inv_freq.numel() > q.shape[-1]):
+        return reference.rope(q, k, positions, inv_freq, interleaved)
+    inv = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    pos = positions.to(q.device)
+    if pos.dim() == 2 and pos.shape[0] not in (1, q.shape[0]):
+        raise ValueError(f"positions of shape {tuple(pos.shape)} do not fit q of shape {tuple(q.shape)}")
+    return _Rope.apply(q, k, pos, inv, interleaved)

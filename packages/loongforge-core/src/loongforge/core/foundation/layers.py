@@ -60,11 +60,9 @@ class RotarySDPAttention(nn.Module):
         if self.inv_freq is not None:
             pos = self.positions(packed_seq_params, query.shape[0], query.device)
             if packed_seq_params is not None:
-                query = self.ops.rope(query[None], pos, self.inv_freq)[0]
-                key = self.ops.rope(key[None], pos, self.inv_freq)[0]
+                query, key = (t[0] for t in self.ops.rope(query[None], key[None], pos, self.inv_freq))
             else:
-                query = self.ops.rope(query.transpose(0, 1), pos, self.inv_freq).transpose(0, 1)
-                key = self.ops.rope(key.transpose(0, 1), pos, self.inv_freq).transpose(0, 1)
+                query, key = (t.transpose(0, 1) for t in self.ops.rope(query.transpose(0, 1), key.transpose(0, 1), pos, self.inv_freq))
         return self.attend(query, key, value, packed_seq_params)
 
     @staticmethod

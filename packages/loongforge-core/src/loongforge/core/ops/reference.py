@@ -55,18 +55,25 @@ def rope_inv_freq(
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotary embedding on the first 2*len(inv_freq) channels: half-split pairs (c, c + rot/2)
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+         interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of an attention layer's queries and keys (one op, so that kernels rotate
+    both in one pass) on the first 2*len(inv_freq) channels: half-split pairs (c, c + rot/2)
     (HF/NeoX layout) or, with `interleaved`, adjacent pairs (2c, 2c + 1) (GPT-J/Meta layout).
 
-    x: [batch, seq, heads, head_dim]; positions: [batch, seq] or [seq]. Channels past the rotary
-    dimension (partial rotary) pass through unchanged. Computed in fp32.
+    q: [batch, seq, heads, head_dim], k: [batch, seq, kv_heads, head_dim]; positions: [batch, seq]
+    or [seq]. Channels past the rotary dimension (partial rotary) pass through unchanged.
+    Computed in fp32. Returns (q', k').
     """
-    rot = 2 * inv_freq.numel()
     if positions.dim() == 1:
         positions = positions.unsqueeze(0)
-    freqs = positions.float().unsqueeze(-1) * inv_freq.float().to(x.device)  # [b, s, rot/2]
+    freqs = positions.float().unsqueeze(-1) * inv_freq.float().to(q.device)  # [b, s, rot/2]
     cos, sin = freqs.cos().unsqueeze(2), freqs.sin().unsqueeze(2)  # [b, s, 1, rot/2]
+    return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    rot = 2 * cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     xf = x_rot.float()
     if interleaved:
@@ -93,9 +100,8 @@ def qkv_rope(mixed: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     d = width // (q_per_group + 2)
     q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=3)
     q = q.reshape(s, b, g * q_per_group, d)
-    q = rope(q.transpose(0, 1), positions, inv_freq, interleaved).transpose(0, 1)
-    k = rope(k.transpose(0, 1), positions, inv_freq, interleaved).transpose(0, 1)
-    return q, k, v
+    q, k = rope(q.transpose(0, 1), k.transpose(0, 1), positions, inv_freq, interleaved)
+    return q.transpose(0, 1), k.transpose(0, 1), v
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -141,10 +147,19 @@ def moe_permute(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
     """Group a MoE layer's token copies by expert. tokens [N, H]; expert_ids [N, k] (top-k
     choices). Returns (permuted [N*k, H] with expert 0's rows first, stably by token; row_ids
     [N*k]: the flat (token*k + j) index of each permuted row; tokens_per_expert [num_experts])."""
-    k = expert_ids.shape[1]
-    flat = expert_ids.reshape(-1)
-    row_ids = torch.sort(flat, stable=True).indices
-    return tokens[row_ids // k], row_ids, torch.bincount(flat, minlength=num_experts)
+    row_ids, tokens_per_expert = moe_order(expert_ids, num_experts)
+    return tokens[row_ids // expert_ids.shape[1]], row_ids, tokens_per_expert
+
+
+def moe_order(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The permuted order of a MoE layer's token copies: (row_ids [N*k], tokens_per_expert
+    [num_experts]) as `moe_permute` returns them. Never waits for the device (no host copy), so
+    a CUDA graph can hold it."""
+    # narrow keys: the GPU radix sort makes one pass per key byte
+    keys = expert_ids.reshape(-1).to(torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32)
+    keys, row_ids = torch.sort(keys, stable=True)
+    bounds = torch.searchsorted(keys, torch.arange(num_experts + 1, dtype=keys.dtype, device=keys.device))
+    return row_ids, bounds.diff()
 
 
 def moe_unpermute(permuted: torch.Tensor, row_ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
