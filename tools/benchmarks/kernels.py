@@ -168,7 +168,7 @@ def rope_setups(b, s, hq, hk, d, device):
     return (q0, k0), (gq, gk), setups
 
 
-def rope_rows(shapes, copy_gbs, sweep=((4, 2), (8, 4), (16, 4), (32, 8)), device="cuda"):
+def rope_rows(shapes, copy_gbs, sweep=((4, 2), (8, 1), (16, 2), (4, 1)), device="cuda"):
     """Forward + backward of every setup, then our forward alone at the default launch parameters
     (8 q heads per program, 2 warps) and others: the backward is the same kernel."""
     from loongforge.kernels import rope as krope
@@ -228,9 +228,9 @@ def moe_setups(n, h, e, k, device):
     return (x0, p0), (g0,), setups, ids
 
 
-def moe_rows(shapes, copy_gbs, sweep=((2048, 4), (4096, 8), (8192, 8), (8192, 16)), device="cuda"):
+def moe_rows(shapes, copy_gbs, sweep=(2, 8), device="cuda"):
     """Forward + backward of every setup, then our permute + unpermute forward kernels alone (no
-    sort) at the default launch parameters (4096-element tiles, 4 warps) and others."""
+    sort) at the default number of warps (4; the hidden block is 256 columns per warp) and others."""
     from loongforge.kernels import moe_permute as kmoe
 
     rows = []
@@ -249,11 +249,11 @@ def moe_rows(shapes, copy_gbs, sweep=((2048, 4), (4096, 8), (8192, 8), (8192, 16
             rows.append(row("moe permute+unpermute fwd+bwd", f"{n}x{h} top-{k}/{e}", name, fwd_bwd(setups[name], [x, probs], g), nbytes, copy_gbs))
         pos = kmoe._positions(ref.moe_order(ids, e)[0], k)
         permuted = kmoe._scatter_rows(x.detach(), pos)
-        for tile, warps in ((kmoe.TILE, 4),) + tuple(sweep):
-            def fwd(tile=tile, warps=warps):
-                kmoe._scatter_rows(x, pos, tile=tile, num_warps=warps)
-                kmoe._combine_rows(permuted, pos, probs, tile=tile, num_warps=warps)
-            rows.append(row("moe permute+unpermute fwd kernels", f"{n}x{h} top-{k}/{e}", f"loongforge tile {tile}, {warps} warps", fwd,
+        for warps in (kmoe.WARPS,) + tuple(sweep):
+            def fwd(warps=warps):
+                kmoe._scatter_rows(x, pos, num_warps=warps)
+                kmoe._combine_rows(permuted, pos, probs, num_warps=warps)
+            rows.append(row("moe permute+unpermute fwd kernels", f"{n}x{h} top-{k}/{e}", f"loongforge {warps} warps", fwd,
                             2 * (n + n * k) * h * 2, copy_gbs))
     return rows
 

@@ -19,7 +19,7 @@ import triton.language as tl
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
 
-TILE = 4096  # elements of a program's [k, hidden-block] tile
+WARPS = 4
 
 
 @triton.jit
@@ -72,9 +72,11 @@ def _scatter_dot(Y, POS, W, OUT, X, DW, H, K, BLOCK_K: tl.constexpr, BLOCK_H: tl
     tl.store(DW + t * K + j, acc, mask=jm)
 
 
-def _blocks(k: int, h: int, tile: int = TILE, num_warps: int = 4) -> dict:
-    block_k = triton.next_power_of_2(k)
-    return dict(BLOCK_K=block_k, BLOCK_H=min(triton.next_power_of_2(h), max(tile // block_k, 64)), num_warps=num_warps)
+def _blocks(k: int, h: int, num_warps: int = WARPS) -> dict:
+    """A [k, BLOCK_H] tile whose hidden block spans every warp (256 columns, 16 bytes of bf16 per
+    thread, per warp), so that no sum over the k rows crosses warps: with warps stacked along k,
+    top-8 ran at 21% of copy against 56% (run 24)."""
+    return dict(BLOCK_K=triton.next_power_of_2(k), BLOCK_H=min(triton.next_power_of_2(h), 256 * num_warps), num_warps=num_warps)
 
 
 def _scatter_rows(x, pos, **launch):
