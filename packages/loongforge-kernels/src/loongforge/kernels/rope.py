@@ -3,8 +3,9 @@
 scaling are computed into them), per-token position ids (packed sequences restart them).
 
 Queries and keys are rotated in one launch: one program rotates a block of 8 q heads and the same
-block of k heads (where the token has them) of one token, with 2 warps; angles are computed once, in fp32, from the
-position and the inverse frequency. The backward is the rotation by the negative angle.
+block of k heads (where the token has them) of one token, with 2 warps; angles are computed once,
+in fp32, from the position and the inverse frequency. The backward is the rotation by the
+negative angle.
 """
 
 from __future__ import annotations
@@ -84,9 +85,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
     ko = torch.empty((b, s, hk, d), dtype=k.dtype, device=k.device)
     pos = positions if positions.dim() == 2 else positions[None]
     spb = pos.stride(0) if pos.shape[0] > 1 else 0
-    block_h = min(block_h, triton.next_power_of_2(max(hq, hk)))
+    heads = max(hq, hk)
+    block_h = min(block_h, triton.next_power_of_2(heads))
     if b * s:
-        _rope[(b * s, triton.cdiv(max(hq, hk), block_h))](
+        _rope[(b * s, triton.cdiv(heads, block_h))](
             q, k, qo, ko, pos, inv_freq, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), spb, pos.stride(1), s, hq, hk, d, half,
             SIGN=sign, INTERLEAVED=interleaved, HAS_PASS=2 * half < d, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
