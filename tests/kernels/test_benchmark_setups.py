@@ -52,7 +52,7 @@ def test_rope_and_moe_rows_run(monkeypatch):
     timing is a GPU's, so here each step runs once and reports 1 ms."""
     steps = []
 
-    def one_run(kernel, shape, name, step, nbytes, copy_gbs):
+    def one_run(kernel, shape, name, step, nbytes, copy_gbs, cold=False):
         step()
         steps.append((kernel, name))
         return {"kernel": kernel, "setup": name}

@@ -77,7 +77,7 @@ def test_rope(interleaved, rot, d):
 
     torch.manual_seed(0)
     b, s = 2, 7
-    for hq, hk in ((3, 1), (4, 4), (2, 5), (10, 3)):  # GQA, MHA, more k heads than q heads, two head blocks
+    for hq, hk in ((3, 1), (4, 4), (2, 5), (18, 3)):  # GQA, MHA, more k heads than q heads, two head blocks
         q = torch.randn(s, b, hq, d).transpose(0, 1)  # [b, s, h, d] strided like the model's q/k
         k = torch.randn(b, s, hk, d)
         inv = ref.rope_inv_freq(rot, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
-from loongforge.kernels.rope import token_rotation
+from loongforge.kernels.rope import pair_channels, token_angles
 
 
 @triton.jit
@@ -39,7 +39,8 @@ def _qkv_rope(M, Q, K, V, POS, INV,
     is_k = valid & (r == R)
     is_v = valid & (r == R + 1)
 
-    cos, sin, c1, c2, im = token_rotation(POS + b * spb + s * sps, INV, HALF, INTERLEAVED, BLOCK_HALF)
+    c1, c2, im = pair_channels(HALF, INTERLEAVED, BLOCK_HALF)
+    cos, sin = token_angles(POS + b * spb + s * sps, INV, HALF, BLOCK_HALF)
     cos = tl.where(is_v[:, None], 1.0, cos[None, :])  # v: the identity rotation
     sin = tl.where(is_v[:, None], 0.0, sin[None, :] * SIGN)
 

@@ -2,10 +2,10 @@
 (the channels past the rotary dimension are copied), any inverse frequencies (llama3 / linear
 scaling are computed into them), per-token position ids (packed sequences restart them).
 
-Queries and keys are rotated in one launch: one program rotates a block of 8 q heads and the same
+Queries and keys are rotated in one launch: one program rotates a block of 16 q heads and the same
 block of k heads (where the token has them) of one token, with 2 warps; angles are computed once,
-in fp32, from the position and the inverse frequency. The backward is the rotation by the
-negative angle.
+in fp32, from the position and the inverse frequency, after every load is issued. Inputs are read
+once (evict-first) and outputs streamed out. The backward is the rotation by the negative angle.
 """
 
 from __future__ import annotations
@@ -19,37 +19,49 @@ from loongforge.kernels._util import KERNEL_DTYPES
 
 
 @triton.jit
-def token_rotation(POS, INV, HALF, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """One token's rotation: cos and sin of position x inverse frequency (fp32), the two channels
-    each pair rotates (half-split or interleaved) and the mask of real pairs."""
-    pos = tl.load(POS).to(tl.float32)
+def pair_channels(HALF, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The two channels each rotated pair takes (half-split or interleaved) and the mask of real
+    pairs."""
     i = tl.arange(0, BLOCK_HALF)
-    im = i < HALF
-    ang = pos * tl.load(INV + i, mask=im, other=0.0).to(tl.float32)
     if INTERLEAVED:
-        c1 = 2 * i
-        c2 = 2 * i + 1
-    else:
-        c1 = i
-        c2 = i + HALF
-    return tl.cos(ang), tl.sin(ang), c1, c2, im
+        return 2 * i, 2 * i + 1, i < HALF
+    return i, i + HALF, i < HALF
 
 
 @triton.jit
-def _rotate_heads(xb, ob, h, H, sxh, soh, cos, sin, c1, c2, im, D, HALF, HAS_PASS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rotate heads `h` (a block; those >= H masked) of one token: xb/ob point at the token."""
-    hm = h < H
+def token_angles(POS, INV, HALF, BLOCK_HALF: tl.constexpr):
+    """cos and sin of one token's position x the inverse frequencies, in fp32."""
+    i = tl.arange(0, BLOCK_HALF)
+    ang = tl.load(POS).to(tl.float32) * tl.load(INV + i, mask=i < HALF, other=0.0).to(tl.float32)
+    return tl.cos(ang), tl.sin(ang)
+
+
+@triton.jit
+def _load_pairs(xb, h, H, sxh, c1, c2, im):
+    """Both channels of every pair of heads `h` (those >= H masked) of one token, in fp32; read
+    once, so they are not kept in L2."""
+    m = (h < H)[:, None] & im[None, :]
     xb = xb + h[:, None].to(tl.int64) * sxh
+    x1 = tl.load(xb + c1[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x2 = tl.load(xb + c2[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _store_rotated(ob, h, H, soh, c1, c2, im, x1, x2, cos, sin):
+    m = (h < H)[:, None] & im[None, :]
     ob = ob + h[:, None].to(tl.int64) * soh
-    m = hm[:, None] & im[None, :]
-    x1 = tl.load(xb + c1[None, :], mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(xb + c2[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(ob + c1[None, :], (x1 * cos - x2 * sin).to(ob.dtype.element_ty), mask=m)
-    tl.store(ob + c2[None, :], (x2 * cos + x1 * sin).to(ob.dtype.element_ty), mask=m)
-    if HAS_PASS:
-        p = tl.arange(0, BLOCK_D)
-        pm = hm[:, None] & ((p >= 2 * HALF) & (p < D))[None, :]
-        tl.store(ob + p[None, :], tl.load(xb + p[None, :], mask=pm, other=0.0), mask=pm)
+    tl.store(ob + c1[None, :], (x1 * cos - x2 * sin).to(ob.dtype.element_ty), mask=m, cache_modifier=".cs")
+    tl.store(ob + c2[None, :], (x2 * cos + x1 * sin).to(ob.dtype.element_ty), mask=m, cache_modifier=".cs")
+
+
+@triton.jit
+def _copy_unrotated(xb, ob, h, H, sxh, soh, D, HALF, BLOCK_D: tl.constexpr):
+    """Partial rotary: the channels past the rotary dimension are copied."""
+    p = tl.arange(0, BLOCK_D)
+    m = (h < H)[:, None] & ((p >= 2 * HALF) & (p < D))[None, :]
+    x = tl.load(xb + h[:, None].to(tl.int64) * sxh + p[None, :], mask=m, other=0.0)
+    tl.store(ob + h[:, None].to(tl.int64) * soh + p[None, :], x, mask=m)
 
 
 @triton.jit
@@ -57,25 +69,34 @@ def _rope(Q, K, QO, KO, POS, INV, sqb, sqs, sqh, skb, sks, skh, sob, sos, skob, 
           SIGN: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
           BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (token, j) rotates q heads and k heads [j*BLOCK_H, (j+1)*BLOCK_H) of the token
-    with one cos/sin computation. Outputs are contiguous [b, s, heads, d]."""
+    with one cos/sin computation. Outputs are contiguous [b, s, heads, d]. Every load is issued
+    before the angles are computed, so the q/k reads do not wait behind the position's."""
     tok = tl.program_id(0)
     b = (tok // S).to(tl.int64)
     s = (tok % S).to(tl.int64)
-    j = tl.program_id(1)
-    cos, sin, c1, c2, im = token_rotation(POS + b * spb + s * sps, INV, HALF, INTERLEAVED, BLOCK_HALF)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    c1, c2, im = pair_channels(HALF, INTERLEAVED, BLOCK_HALF)
+    qb, kb = Q + b * sqb + s * sqs, K + b * skb + s * sks
+    qob, kob = QO + b * sob + s * sos, KO + b * skob + s * skos
+    q1, q2 = _load_pairs(qb, h, HQ, sqh, c1, c2, im)
+    k1, k2 = _load_pairs(kb, h, HK, skh, c1, c2, im)
+    cos, sin = token_angles(POS + b * spb + s * sps, INV, HALF, BLOCK_HALF)
     cos = cos[None, :]
     sin = (sin * SIGN)[None, :]
-    _rotate_heads(Q + b * sqb + s * sqs, QO + b * sob + s * sos, j * BLOCK_H + tl.arange(0, BLOCK_H), HQ, sqh, D,
-                  cos, sin, c1, c2, im, D, HALF, HAS_PASS, BLOCK_D)
-    _rotate_heads(K + b * skb + s * sks, KO + b * skob + s * skos, j * BLOCK_H + tl.arange(0, BLOCK_H), HK, skh, D,
-                  cos, sin, c1, c2, im, D, HALF, HAS_PASS, BLOCK_D)
+    _store_rotated(qob, h, HQ, D, c1, c2, im, q1, q2, cos, sin)
+    _store_rotated(kob, h, HK, D, c1, c2, im, k1, k2, cos, sin)
+    if HAS_PASS:
+        _copy_unrotated(qb, qob, h, HQ, sqh, D, D, HALF, BLOCK_D)
+        _copy_unrotated(kb, kob, h, HK, skh, D, D, HALF, BLOCK_D)
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, sign: float,
-            block_h: int = 8, num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+            block_h: int = 16, num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Program j rotates q heads and k heads [j*block_h, (j+1)*block_h): the k heads ride along in
     the first programs. (Giving every program an even share of k heads made the GQA tile [2, 64],
-    too narrow for 16-byte accesses: 54-88% of copy against 95% for MHA, run 24.)"""
+    too narrow for 16-byte accesses: 54-88% of copy against 95% for MHA, run 24.) 16 heads and
+    2 warps, with loads issued before the angle arithmetic, was the fastest in run 28's sweep at
+    every benchmark shape."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     b, s, hq, d = q.shape
