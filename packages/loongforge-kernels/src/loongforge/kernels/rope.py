@@ -4,8 +4,8 @@ scaling are computed into them), per-token position ids (packed sequences restar
 
 Queries and keys are rotated in one launch: one program rotates a block of 16 q heads and the same
 block of k heads (where the token has them) of one token, with 2 warps; angles are computed once,
-in fp32, from the position and the inverse frequency, after every load is issued. Inputs are read
-once (evict-first) and outputs streamed out. The backward is the rotation by the negative angle.
+in fp32, from the position and the inverse frequency, after every load is issued. The backward is
+the rotation by the negative angle.
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ def token_angles(POS, INV, HALF, BLOCK_HALF: tl.constexpr):
 
 @triton.jit
 def _load_pairs(xb, h, H, sxh, c1, c2, im):
-    """Both channels of every pair of heads `h` (those >= H masked) of one token, in fp32; read
-    once, so they are not kept in L2."""
+    """Both channels of every pair of heads `h` (those >= H masked) of one token, in fp32."""
     m = (h < H)[:, None] & im[None, :]
     xb = xb + h[:, None].to(tl.int64) * sxh
-    x1 = tl.load(xb + c1[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    x2 = tl.load(xb + c2[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x1 = tl.load(xb + c1[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(xb + c2[None, :], mask=m, other=0.0).to(tl.float32)
     return x1, x2
 
 
@@ -51,8 +50,8 @@ def _load_pairs(xb, h, H, sxh, c1, c2, im):
 def _store_rotated(ob, h, H, soh, c1, c2, im, x1, x2, cos, sin):
     m = (h < H)[:, None] & im[None, :]
     ob = ob + h[:, None].to(tl.int64) * soh
-    tl.store(ob + c1[None, :], (x1 * cos - x2 * sin).to(ob.dtype.element_ty), mask=m, cache_modifier=".cs")
-    tl.store(ob + c2[None, :], (x2 * cos + x1 * sin).to(ob.dtype.element_ty), mask=m, cache_modifier=".cs")
+    tl.store(ob + c1[None, :], (x1 * cos - x2 * sin).to(ob.dtype.element_ty), mask=m)
+    tl.store(ob + c2[None, :], (x2 * cos + x1 * sin).to(ob.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -95,8 +94,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
     """Program j rotates q heads and k heads [j*block_h, (j+1)*block_h): the k heads ride along in
     the first programs. (Giving every program an even share of k heads made the GQA tile [2, 64],
     too narrow for 16-byte accesses: 54-88% of copy against 95% for MHA, run 24.) 16 heads and
-    2 warps, with loads issued before the angle arithmetic, was the fastest in run 28's sweep at
-    every benchmark shape."""
+    2 warps, with loads issued before the angle arithmetic, was the fastest at every benchmark
+    shape in runs 28 and 31; L2 eviction hints on top of it were slower in run 31, by up to 4%."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     b, s, hq, d = q.shape
