@@ -12,7 +12,9 @@ Every setup is timed twice: `ms` launches from Python each time (triton.testing.
 of CUDA-event timings: at small shapes this is the CPU's launch time, which Python autograd
 Functions pay more than torch's C++ ops), and `graph ms` replays the same forward + backward from
 a CUDA graph (triton.testing.do_bench_cudagraph: GPU time only, what a step that keeps the GPU
-busy sees). Memory-bound kernels report achieved GB/s from the graph time (bytes: each input read
+busy sees). The memory-bound fwd+bwd rows add `cold graph ms`: the same replay with L2 flushed
+(a 256 MiB read) before each step, so a kernel that finds its own last outputs in L2 gains
+nothing. Memory-bound kernels report achieved GB/s from the graph time (bytes: each input read
 once and each output written once, forward + backward) against a device-to-device copy of 1 GiB
 measured here. The fused linear cross-entropy reports time and extra peak memory (peak minus what
 the inputs hold).
