@@ -23,6 +23,7 @@ the inputs hold).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -45,43 +46,19 @@ def bench_graph(fn) -> float | None:
         return None
 
 
-_flush_buffer = []
+@functools.cache
+def _l2_flush_buffer() -> torch.Tensor:
+    return torch.empty(64 << 20, dtype=torch.float32, device="cuda").normal_()  # 256 MiB
 
 
-def bench_graph_cold(fn, n=20, replays=15) -> float | None:
-    """GPU time of `fn` with a cold L2 cache: one CUDA graph of n x (read 256 MiB, fn) minus one of
-    n x (read 256 MiB), median over replays. `bench_graph` replays `fn` back to back, so a kernel
-    that rewrites its inputs in place finds part of them in L2 (50 MiB on an H100/H200) on the
-    next call; in a training step other layers run in between."""
-    if not _flush_buffer:
-        _flush_buffer.append(torch.empty(64 << 20, dtype=torch.float32, device="cuda").normal_())
-    buf = _flush_buffer[0]
-
-    def replay(body):
-        with torch.cuda.stream(torch.cuda.Stream()):
-            body()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(n):
-                    body()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(replays):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                g.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / n)
-        return sorted(times)[replays // 2]
-
-    try:
-        both = replay(lambda: (buf.sum(), fn()))
-    except Exception:  # bench_graph has reported why this setup cannot be captured
-        torch.cuda.synchronize()
-        return None
-    return both - replay(buf.sum)
+def bench_graph_cold(fn) -> float | None:
+    """GPU time of `fn` with a cold L2 cache: `bench_graph` of (read 256 MiB, fn) minus
+    `bench_graph` of the read alone. `bench_graph` replays `fn` back to back, so a kernel that
+    rewrites its inputs in place finds part of them in L2 (50 MiB on an H100/H200) on the next
+    call; in a training step other layers run in between."""
+    buf = _l2_flush_buffer()
+    both = bench_graph(lambda: (buf.sum(), fn()))
+    return None if both is None else both - bench_graph(buf.sum)
 
 
 def row(kernel, shape, name, step, nbytes, copy_gbs, cold=False) -> dict:
@@ -93,7 +70,7 @@ def row(kernel, shape, name, step, nbytes, copy_gbs, cold=False) -> dict:
     r = {"kernel": kernel, "shape": shape, "setup": name, "ms": ms, "graph ms": gms,
          "GB/s": nbytes / t / 1e6, "of copy": nbytes / t / 1e6 / copy_gbs}
     if cold:
-        r["cold graph ms"] = bench_graph_cold(step) if gms is not None else None
+        r["cold graph ms"] = bench_graph_cold(step) if gms is not None else None  # bench_graph said why not
     return r
 
 
@@ -216,7 +193,7 @@ def rope_setups(b, s, hq, hk, d, device):
 
 def rope_rows(shapes, copy_gbs, sweep=((8, 2), (16, 1), (16, 4), (32, 4)), device="cuda"):
     """Forward + backward of every setup, then our forward alone at the default launch parameters
-    (16 q heads per program, 2 warps) and others: the backward is the same kernel."""
+    (`BLOCK_H` q heads per program, `WARPS` warps) and others: the backward is the same kernel."""
     from loongforge.kernels import rope as krope
 
     rows = []
@@ -231,7 +208,7 @@ def rope_rows(shapes, copy_gbs, sweep=((8, 2), (16, 1), (16, 4), (32, 4)), devic
         for name in errors:
             rows.append(row("rope q+k fwd+bwd", shape, name, fwd_bwd(setups[name], [q, k], grads), nbytes, copy_gbs, cold=True))
         pos, inv = torch.arange(s, device=device), ref.rope_inv_freq(d, 500000.0).to(device)
-        for block_h, warps in ((16, 2),) + tuple(sweep):
+        for block_h, warps in ((krope.BLOCK_H, krope.WARPS),) + tuple(sweep):
             def fwd(block_h=block_h, warps=warps):
                 krope._launch(q, k, pos, inv, False, 1.0, block_h, warps)
             rows.append(row("rope q+k fwd", shape, f"loongforge {block_h} heads, {warps} warps", fwd, nbytes // 2, copy_gbs))

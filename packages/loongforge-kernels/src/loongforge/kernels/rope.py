@@ -17,6 +17,8 @@ import triton.language as tl
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
 
+BLOCK_H, WARPS = 16, 2  # q (and k) heads per program, warps per program: see `_launch`
+
 
 @triton.jit
 def pair_channels(HALF, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -90,7 +92,7 @@ def _rope(Q, K, QO, KO, POS, INV, sqb, sqs, sqh, skb, sks, skh, sob, sos, skob, 
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, sign: float,
-            block_h: int = 16, num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+            block_h: int = BLOCK_H, num_warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Program j rotates q heads and k heads [j*block_h, (j+1)*block_h): the k heads ride along in
     the first programs. (Giving every program an even share of k heads made the GQA tile [2, 64],
     too narrow for 16-byte accesses: 54-88% of copy against 95% for MHA, run 24.) 16 heads and
