@@ -9,7 +9,8 @@ once; the backward reads their gradients once and writes the projection's gradie
 Each program takes one token and a block of its head slots: slot j of group g is
 `[q_1 .. q_r | k | v][j]`, so q, k and v heads are rotated by the same code (v with the identity
 rotation) and stored through three disjoint masks. Angles are computed in fp32 from the position
-and the inverse frequency, once per token.
+and the inverse frequency, once per token, after the loads are issued. The slot blocks of a token
+are neighbouring programs, as in `rope`.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from loongforge.kernels.rope import pair_channels, token_angles
 @triton.jit
 def _qkv_rope(M, Q, K, V, POS, INV,
               sms, smb, smg, sqs, sqb, sqh, sks, skb, skh, svs, svb, svh, spb, sps,
-              B, G, R, D, HALF, SIGN: tl.constexpr, BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr,
+              B, G, R, D, HALF, NBLOCKS, SIGN: tl.constexpr, BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr,
               HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    tok = tl.program_id(0)
+    """Program tok * NBLOCKS + j takes slots [j*BLOCK_H, (j+1)*BLOCK_H) of token tok (s-major).
+    Every load is issued before the angles are computed."""
+    pid = tl.program_id(0)
+    tok = pid // NBLOCKS
     s = (tok // B).to(tl.int64)
     b = (tok % B).to(tl.int64)
-    slot = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slot = (pid % NBLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     g = slot // (R + 2)
     r = slot % (R + 2)
     valid = g < G
@@ -40,10 +44,6 @@ def _qkv_rope(M, Q, K, V, POS, INV,
     is_v = valid & (r == R + 1)
 
     c1, c2, im = pair_channels(HALF, INTERLEAVED, BLOCK_HALF)
-    cos, sin = token_angles(POS + b * spb + s * sps, INV, HALF, BLOCK_HALF)
-    cos = tl.where(is_v[:, None], 1.0, cos[None, :])  # v: the identity rotation
-    sin = tl.where(is_v[:, None], 0.0, sin[None, :] * SIGN)
-
     m_off = s * sms + b * smb + g.to(tl.int64)[:, None] * smg + (r * D)[:, None]
     q_off = s * sqs + b * sqb + (g * R + r).to(tl.int64)[:, None] * sqh
     k_off = s * sks + b * skb + g.to(tl.int64)[:, None] * skh
@@ -60,8 +60,18 @@ def _qkv_rope(M, Q, K, V, POS, INV,
         x2 = (tl.load(Q + q_off + c2[None, :], mask=mq, other=0.0).to(tl.float32)
               + tl.load(K + k_off + c2[None, :], mask=mk, other=0.0).to(tl.float32)
               + tl.load(V + v_off + c2[None, :], mask=mv, other=0.0).to(tl.float32))
-        tl.store(M + m_off + c1[None, :], (x1 * cos - x2 * sin).to(M.dtype.element_ty), mask=mm)
-        tl.store(M + m_off + c2[None, :], (x2 * cos + x1 * sin).to(M.dtype.element_ty), mask=mm)
+    else:
+        x1 = tl.load(M + m_off + c1[None, :], mask=mm, other=0.0).to(tl.float32)
+        x2 = tl.load(M + m_off + c2[None, :], mask=mm, other=0.0).to(tl.float32)
+    cos, sin = token_angles(POS + b * spb + s * sps, INV, HALF, BLOCK_HALF)
+    cos = tl.where(is_v[:, None], 1.0, cos[None, :])  # v: the identity rotation
+    sin = tl.where(is_v[:, None], 0.0, sin[None, :] * SIGN)
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+
+    if BACKWARD:
+        tl.store(M + m_off + c1[None, :], y1.to(M.dtype.element_ty), mask=mm)
+        tl.store(M + m_off + c2[None, :], y2.to(M.dtype.element_ty), mask=mm)
         if HAS_PASS:
             p = tl.arange(0, BLOCK_D)
             pc = ((p >= 2 * HALF) & (p < D))[None, :]
@@ -70,10 +80,8 @@ def _qkv_rope(M, Q, K, V, POS, INV,
                   + tl.load(V + v_off + p[None, :], mask=is_v[:, None] & pc, other=0.0))
             tl.store(M + m_off + p[None, :], xp, mask=valid[:, None] & pc)
     else:
-        x1 = tl.load(M + m_off + c1[None, :], mask=mm, other=0.0).to(tl.float32)
-        x2 = tl.load(M + m_off + c2[None, :], mask=mm, other=0.0).to(tl.float32)
-        y1 = (x1 * cos - x2 * sin).to(Q.dtype.element_ty)
-        y2 = (x2 * cos + x1 * sin).to(Q.dtype.element_ty)
+        y1 = y1.to(Q.dtype.element_ty)
+        y2 = y2.to(Q.dtype.element_ty)
         tl.store(Q + q_off + c1[None, :], y1, mask=mq)
         tl.store(Q + q_off + c2[None, :], y2, mask=mq)
         tl.store(K + k_off + c1[None, :], y1, mask=mk)
@@ -101,12 +109,13 @@ def _launch(mixed, q, k, v, pos, inv, r, interleaved, backward, block_h=8, num_w
     spb = pos.stride(0) if pos.shape[0] > 1 else 0
     slots = g * (r + 2)
     block_h = min(block_h, triton.next_power_of_2(slots))
+    nblocks = triton.cdiv(slots, block_h)
     if s * b:
-        _qkv_rope[(s * b, triton.cdiv(slots, block_h))](
+        _qkv_rope[(s * b * nblocks,)](
             mixed, q, k, v, pos, inv,
             mixed.stride(0), mixed.stride(1), mixed.stride(2), q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), spb, pos.stride(1),
-            b, g, r, d, half, SIGN=-1.0 if backward else 1.0, BACKWARD=backward, INTERLEAVED=interleaved,
+            b, g, r, d, half, nblocks, SIGN=-1.0 if backward else 1.0, BACKWARD=backward, INTERLEAVED=interleaved,
             HAS_PASS=2 * half < d, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps,
         )

@@ -4,8 +4,9 @@ scaling are computed into them), per-token position ids (packed sequences restar
 
 Queries and keys are rotated in one launch: one program rotates a block of 16 q heads and the same
 block of k heads (where the token has them) of one token, with 2 warps; angles are computed once,
-in fp32, from the position and the inverse frequency, after every load is issued. The backward is
-the rotation by the negative angle.
+in fp32, from the position and the inverse frequency, after every load is issued. Programs run
+head block by head block of a token, then the next token, so the programs in flight read and write
+adjacent memory. The backward is the rotation by the negative angle.
 """
 
 from __future__ import annotations
@@ -67,15 +68,16 @@ def _copy_unrotated(xb, ob, h, H, sxh, soh, D, HALF, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _rope(Q, K, QO, KO, POS, INV, sqb, sqs, sqh, skb, sks, skh, sob, sos, skob, skos, spb, sps, S, HQ, HK, D, HALF,
-          SIGN: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
+          NBLOCKS, SIGN: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
           BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (token, j) rotates q heads and k heads [j*BLOCK_H, (j+1)*BLOCK_H) of the token
-    with one cos/sin computation. Outputs are contiguous [b, s, heads, d]. Every load is issued
-    before the angles are computed, so the q/k reads do not wait behind the position's."""
-    tok = tl.program_id(0)
+    """Program tok * NBLOCKS + j rotates q heads and k heads [j*BLOCK_H, (j+1)*BLOCK_H) of the
+    token with one cos/sin computation. Outputs are contiguous [b, s, heads, d]. Every load is
+    issued before the angles are computed, so the q/k reads do not wait behind the position's."""
+    pid = tl.program_id(0)
+    tok = pid // NBLOCKS
     b = (tok // S).to(tl.int64)
     s = (tok % S).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h = (pid % NBLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     c1, c2, im = pair_channels(HALF, INTERLEAVED, BLOCK_HALF)
     qb, kb = Q + b * sqb + s * sqs, K + b * skb + s * sks
     qob, kob = QO + b * sob + s * sos, KO + b * skob + s * skos
@@ -93,11 +95,14 @@ def _rope(Q, K, QO, KO, POS, INV, sqb, sqs, sqh, skb, sks, skh, sob, sos, skob, 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, sign: float,
             block_h: int = BLOCK_H, num_warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Program j rotates q heads and k heads [j*block_h, (j+1)*block_h): the k heads ride along in
-    the first programs. (Giving every program an even share of k heads made the GQA tile [2, 64],
-    too narrow for 16-byte accesses: 54-88% of copy against 95% for MHA, run 24.) 16 heads and
-    2 warps, with loads issued before the angle arithmetic, was the fastest at every benchmark
-    shape in runs 28 and 31; L2 eviction hints on top of it were slower in run 31, by up to 4%."""
+    """Program j of a token rotates q heads and k heads [j*block_h, (j+1)*block_h): the k heads
+    ride along in the first programs. (Giving every program an even share of k heads made the GQA
+    tile [2, 64], too narrow for 16-byte accesses: 54-88% of copy against 95% for MHA, run 24.)
+    16 heads and 2 warps, with loads issued before the angle arithmetic, was the fastest at every
+    benchmark shape in runs 28 and 31; L2 eviction hints on top of it were slower in run 31, by up
+    to 4%. The head blocks of a token are neighbouring programs (one grid axis, blocks fastest):
+    with tokens fastest, the programs in flight each took a 4 KiB piece of rows 10 KiB apart
+    (GQA), and the kernel was 4-5% slower at 8192 tokens (session 9, run 1)."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     b, s, hq, d = q.shape
@@ -109,11 +114,12 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
     spb = pos.stride(0) if pos.shape[0] > 1 else 0
     heads = max(hq, hk)
     block_h = min(block_h, triton.next_power_of_2(heads))
+    nblocks = triton.cdiv(heads, block_h)
     if b * s:
-        _rope[(b * s, triton.cdiv(heads, block_h))](
+        _rope[(b * s * nblocks,)](
             q, k, qo, ko, pos, inv_freq, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), spb, pos.stride(1), s, hq, hk, d, half,
-            SIGN=sign, INTERLEAVED=interleaved, HAS_PASS=2 * half < d, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
+            nblocks, SIGN=sign, INTERLEAVED=interleaved, HAS_PASS=2 * half < d, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps,
         )
     return qo, ko
