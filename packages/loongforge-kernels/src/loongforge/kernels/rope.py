@@ -101,8 +101,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
     16 heads and 2 warps, with loads issued before the angle arithmetic, was the fastest at every
     benchmark shape in runs 28 and 31; L2 eviction hints on top of it were slower in run 31, by up
     to 4%. The head blocks of a token are neighbouring programs (one grid axis, blocks fastest):
-    with tokens fastest, the programs in flight each took a 4 KiB piece of rows 10 KiB apart
-    (GQA), and the kernel was 4-5% slower at 8192 tokens (session 9, run 1)."""
+    with tokens fastest, the programs in flight each took a 4 KiB piece of q rows 8 KiB apart
+    (GQA, 32 heads), and the kernel was 4-5% slower at 8192 tokens (session 9, run 1)."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     b, s, hq, d = q.shape
