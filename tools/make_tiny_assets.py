@@ -1,4 +1,5 @@
-"""Regenerate the tiny corpus and tokenizer shipped in loongforge-llm (for the demo and tests).
+"""Regenerate the tiny demo assets (for the demo and tests): the pretraining corpus shipped in
+loongforge-llm, the tokenizer and the SFT set shipped in loongforge-core's text data.
 
 The corpus is synthetic, deterministic English-like text with learnable structure (templated
 facts, counting, simple arithmetic); the tokenizer is a byte-level BPE trained on it; the SFT
@@ -11,7 +12,9 @@ import json
 import random
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parents[1] / "packages/loongforge-llm/src/loongforge/llm/assets"
+ROOT = Path(__file__).resolve().parents[1]
+LLM_ASSETS = ROOT / "packages/loongforge-llm/src/loongforge/llm/assets"  # tiny_corpus.jsonl
+TEXT_ASSETS = ROOT / "packages/loongforge-core/src/loongforge/core/data/text/assets"  # tiny_tokenizer/, tiny_sft.jsonl
 
 NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]
 THINGS = ["apple", "book", "lamp", "river", "stone", "garden", "train", "letter", "violin", "kite"]
@@ -56,8 +59,9 @@ def main() -> None:
 
     rng = random.Random(0)
     docs = [document(rng) for _ in range(4000)]
-    ASSETS.mkdir(parents=True, exist_ok=True)
-    with open(ASSETS / "tiny_corpus.jsonl", "w") as f:
+    LLM_ASSETS.mkdir(parents=True, exist_ok=True)
+    TEXT_ASSETS.mkdir(parents=True, exist_ok=True)
+    with open(LLM_ASSETS / "tiny_corpus.jsonl", "w") as f:
         for d in docs:
             f.write(json.dumps({"text": d}) + "\n")
     tok = Tokenizer(models.BPE())
@@ -66,12 +70,12 @@ def main() -> None:
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.save_pretrained(str(ASSETS / "tiny_tokenizer"))
+    fast.save_pretrained(str(TEXT_ASSETS / "tiny_tokenizer"))
     sft = sft_rows(random.Random(1))
-    with open(ASSETS / "tiny_sft.jsonl", "w") as f:
+    with open(TEXT_ASSETS / "tiny_sft.jsonl", "w") as f:
         for r in sft:
             f.write(json.dumps(r) + "\n")
-    print(f"wrote {len(docs)} documents, {len(sft)} SFT rows and a {tok.get_vocab_size()}-token tokenizer to {ASSETS}")
+    print(f"wrote {len(docs)} documents to {LLM_ASSETS}, {len(sft)} SFT rows and a {tok.get_vocab_size()}-token tokenizer to {TEXT_ASSETS}")
 
 
 if __name__ == "__main__":

@@ -64,9 +64,13 @@ def test_every_package_builds_a_wheel(tmp_path):
     names = zipfile.ZipFile(wheels["loongforge_llm"]).namelist()
     assert "loongforge/llm/configs/tiny.yaml" in names
     assert "loongforge/llm/assets/tiny_corpus.jsonl" in names
-    assert "loongforge/llm/assets/tiny_tokenizer/tokenizer.json" in names
-    assert "loongforge/llm/assets/tiny_sft.jsonl" in names and "loongforge/llm/configs/sft.yaml" in names
+    assert "loongforge/llm/configs/sft.yaml" in names
     assert not any(n == "loongforge/__init__.py" for n in names)
+    core_names = zipfile.ZipFile(wheels["loongforge_core"]).namelist()
+    assert "loongforge/core/data/text/assets/tiny_tokenizer/tokenizer.json" in core_names
+    assert "loongforge/core/data/text/assets/tiny_tokenizer/tokenizer_config.json" in core_names
+    assert "loongforge/core/data/text/assets/tiny_sft.jsonl" in core_names
+    assert not any(n == "loongforge/__init__.py" for n in core_names)
     entry = zipfile.ZipFile(wheels["loongforge_core"]).read(
         next(n for n in zipfile.ZipFile(wheels["loongforge_core"]).namelist() if n.endswith("entry_points.txt"))
     ).decode()

@@ -1,39 +1,9 @@
-"""HF tokenizers, and the adapter megatron-core's GPT dataset expects."""
+"""The adapter megatron-core's GPT dataset expects around an HF tokenizer (pretraining data).
+HF tokenizer loading lives in `loongforge.core.data.text`."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from loongforge.core.errors import UserError
-
-TINY_TOKENIZER = Path(__file__).parent / "assets" / "tiny_tokenizer"
-
-
-def resolve_tokenizer_path(path: str) -> Path:
-    """`tiny` names the shipped demo tokenizer; anything else is an HF tokenizer directory."""
-    if path == "tiny":
-        return TINY_TOKENIZER
-    p = Path(path)
-    if not p.is_dir() or not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise UserError(f"tokenizer not found: {path} (need an HF tokenizer directory with tokenizer.json, or 'tiny')")
-    return p
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    p = resolve_tokenizer_path(path)
-    try:
-        return AutoTokenizer.from_pretrained(str(p))
-    except Exception as e:  # transformers raises many types for unreadable tokenizer files
-        raise UserError(f"cannot load tokenizer from {p}: {str(e).splitlines()[0]}") from None
-
-
-def eod_id(tok) -> int:
-    eid = tok.eos_token_id
-    if eid is None:
-        raise UserError("the tokenizer defines no eos_token; pretraining needs one to separate documents")
-    return int(eid)
+from loongforge.core.data.text import eod_id
 
 
 def megatron_tokenizer(tok):

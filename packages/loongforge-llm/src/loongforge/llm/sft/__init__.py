@@ -1,8 +1,8 @@
-"""Supervised fine-tuning data: conversation formats, chat templates with assistant-only loss
-masks, and bad-sample accounting. (Training wiring, packing into the trainer and LoRA are still
-to come: see docs/status.md.)"""
+"""The SFT recipe (`recipe: sft`, `sft/recipe.py`): conversation datasets tokenized with a chat
+template (loss on assistant tokens), packed and trained through the setup every LLM recipe
+shares, LoRA included. The data side (formats, chat templates, packing, prepacked and streaming
+packs) lives in `loongforge.core.data.text`; its main names are re-exported here."""
 
-from loongforge.llm.sft.formats import FORMATS, BadSample, to_messages
-from loongforge.llm.sft.templates import BUILTIN_TEMPLATES, SFTTokenizer
+from loongforge.core.data.text import BUILTIN_TEMPLATES, FORMATS, BadSample, SFTTokenizer, to_messages
 
 __all__ = ["FORMATS", "BadSample", "to_messages", "BUILTIN_TEMPLATES", "SFTTokenizer"]

@@ -1,10 +1,10 @@
-"""SFT data: formats -> messages, built-in templates with explicit assistant masks, bad rows."""
+"""Text data (loongforge.core.data.text): SFT formats -> messages, built-in templates with explicit
+assistant masks, bad rows."""
 
 import pytest
 
+from loongforge.core.data.text import BUILTIN_TEMPLATES, BadSample, SFTTokenizer, load_tokenizer, to_messages
 from loongforge.core.errors import UserError
-from loongforge.llm.sft import BUILTIN_TEMPLATES, BadSample, SFTTokenizer, to_messages
-from loongforge.llm.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

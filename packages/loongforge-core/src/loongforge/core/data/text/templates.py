@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from loongforge.core.data.text.formats import BadSample
 from loongforge.core.errors import UserError
-from loongforge.llm.sft.formats import BadSample
 
 # A tool call, as HF chat templates take it: {"name", "arguments"} or {"function": {...}}.
 _CALL = "{%- set c = call.function if call.function is defined else call %}"
@@ -108,7 +108,7 @@ class SFTTokenizer:
     def tokenize_rows(self, rows, fmt: str, keys: dict | None = None, on_bad_sample: str = "skip", require_trained: bool = True):
         """Yield tokenized samples; count bad rows by reason; error on the first with
         on_bad_sample="error", and (`require_trained`) when no sample has a trained token."""
-        from loongforge.llm.sft.formats import to_messages
+        from loongforge.core.data.text.formats import to_messages
 
         if on_bad_sample not in ("skip", "error"):
             raise UserError(f"on_bad_sample={on_bad_sample!r}: choose skip or error")
