@@ -54,6 +54,12 @@ def _check_keys(schema, data: Any, prefix: str = "") -> None:
             if not isinstance(v, dict):
                 raise UserError(f"config key '{prefix}{k}' must be a mapping, got {v!r}")
             _check_keys(sub, v, f"{prefix}{k}.")
+        elif typing.get_origin(sub) is dict and dataclasses.is_dataclass(typing.get_args(sub)[1]) and isinstance(v, dict):
+            # a mapping of names to sections (parallel.components.<name>): every entry is checked
+            for name, entry in v.items():
+                if not isinstance(entry, dict):
+                    raise UserError(f"config key '{prefix}{k}.{name}' must be a mapping, got {entry!r}")
+                _check_keys(typing.get_args(sub)[1], entry, f"{prefix}{k}.{name}.")
 
 
 def _parse_override(item: str) -> dict:

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+
+@dataclass
+class ComponentParallelConfig:
+    """One model component's layout (`parallel.components.<name>`); None: the model's global value."""
+
+    tensor_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_size: Optional[int] = None
 
 
 @dataclass
 class ParallelConfig:
+    stack: str = "megatron"  # megatron (megatron-core models: TP, PP, DP) | torch (the HF model as-is: DDP, ZeRO-1, FSDP2, HSDP)
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    data_parallel_mode: str = "ddp"  # torch stack: ddp | zero1 (sharded optimizer state) | fsdp (fully_shard per block) | hsdp
+    data_parallel_replicas: int = 1  # torch stack, hsdp: replica groups of the 2-D mesh (shards = world size / replicas)
+    compile: bool = False  # torch stack: torch.compile every block
+    components: Dict[str, ComponentParallelConfig] = field(default_factory=dict)  # megatron stack: TP/PP per component (vision, ...)
 
 
 @dataclass

@@ -1,17 +1,18 @@
 """`ParallelContext`: the process groups and ranks one model component trains with.
 
-megatron-core's `parallel_state` is initialized once per process (its dist-checkpointing needs
-it); every module then receives its groups explicitly through `pg_collection` and the context,
-and nothing swaps the globals afterwards.
+megatron-core's `parallel_state` is initialized once per process, for the whole model's layout
+(its dist-checkpointing needs it); every module then receives its groups explicitly through
+`pg_collection` and the context, and nothing swaps the globals afterwards. Components that run
+another layout on the same ranks (a TP=1 vision encoder feeding a TP=2 decoder) get contexts of
+their own groups from `component_contexts`.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ def free_port() -> int:
 
 @dataclass
 class ParallelContext:
+    """One layout's groups as seen from this rank; sizes and ranks are those of the groups."""
+
     tp_size: int
     pp_size: int
     dp_size: int
@@ -36,8 +39,32 @@ class ParallelContext:
     tp_group: object
     pp_group: object
     dp_group: object
-    mp_group: object
-    embedding_group: object
+    mp_group: object  # tensor x pipeline ranks (the global gradient norm)
+    embedding_group: object  # first and last pipeline stage (tied embeddings); None at PP=1 and on middle stages
+    cp_group: object = None  # this rank alone: LoongForge runs no context parallelism
+    pos_embedding_group: object = None  # first pipeline stage; None at PP=1 and on other stages
+
+    @classmethod
+    def from_groups(cls, tp_group, pp_group, dp_group, *, mp_group, cp_group, embedding_group=None,
+                    pos_embedding_group=None) -> "ParallelContext":
+        """The context of explicit groups (this rank a member of each): sizes and ranks read from them."""
+        if dist.get_world_size(cp_group) != 1:
+            raise ValueError(f"cp_group has {dist.get_world_size(cp_group)} ranks; LoongForge runs no context parallelism (one rank)")
+        return cls(
+            tp_size=dist.get_world_size(tp_group),
+            pp_size=dist.get_world_size(pp_group),
+            dp_size=dist.get_world_size(dp_group),
+            tp_rank=dist.get_rank(tp_group),
+            pp_rank=dist.get_rank(pp_group),
+            dp_rank=dist.get_rank(dp_group),
+            tp_group=tp_group,
+            pp_group=pp_group,
+            dp_group=dp_group,
+            mp_group=mp_group,
+            embedding_group=embedding_group,
+            cp_group=cp_group,
+            pos_embedding_group=pos_embedding_group,
+        )
 
     @property
     def is_first_stage(self) -> bool:
@@ -57,11 +84,23 @@ class ParallelContext:
 
     @cached_property
     def _pgs(self):
+        """megatron-core's group collection of this context's groups. With no context and no expert
+        parallelism the CP-, EP- and optimizer-instance variants are the plain groups (cp, ep: this
+        rank alone). What the dense GPTModel path reads: tp, pp, cp, embd (embeddings, attention,
+        MLP, parallel linears, the block's layer offsets); megatron's DDP helpers also take dp,
+        dp_cp, expt_dp, ep, mp, tp_ep_pp. Left unset: hcp (hierarchical CP), tp_dp_cp, and the
+        distributed-optimizer instance groups."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        return ProcessGroupCollection.use_mpu_process_groups()
+        tp, dp, mp, one = self.tp_group, self.dp_group, self.mp_group, self.cp_group
+        return ProcessGroupCollection(
+            tp=tp, pp=self.pp_group, mp=mp, cp=one, tp_cp=tp, dp=dp, dp_cp=dp, intra_dp_cp=dp,
+            embd=self.embedding_group, pos_embd=self.pos_embedding_group,
+            ep=one, expt_tp=tp, tp_ep=tp, tp_ep_pp=mp, expt_dp=dp, intra_expt_dp=dp,
+        )
 
     def pg_collection(self):
+        """The groups to pass as megatron-core's `pg_collection` (built once per context)."""
         return self._pgs
 
     def layout(self) -> dict:
@@ -75,13 +114,9 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str) -> ParallelC
     """
     from megatron.core import parallel_state as ps
 
-    if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            if device_type == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend=backend)
-        else:
-            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    from loongforge.core.parallel.distributed import init_process_group
+
+    init_process_group(backend, device_type)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise UserError(
@@ -93,19 +128,91 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str) -> ParallelC
             raise UserError(f"this process already runs TP={have[0]} PP={have[1]}; cannot build a TP={tp} PP={pp} model in it")
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    return ParallelContext(
-        tp_size=tp,
-        pp_size=pp,
-        dp_size=world // (tp * pp),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
-        tp_group=ps.get_tensor_model_parallel_group(),
-        pp_group=ps.get_pipeline_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(),
+    stages = pp > 1
+    return ParallelContext.from_groups(
+        ps.get_tensor_model_parallel_group(),
+        ps.get_pipeline_model_parallel_group(),
+        ps.get_data_parallel_group(),
         mp_group=ps.get_model_parallel_group(),
-        embedding_group=ps.get_embedding_group() if pp > 1 else None,
+        cp_group=ps.get_context_parallel_group(),
+        embedding_group=ps.get_embedding_group(check_initialized=False) if stages else None,
+        pos_embedding_group=ps.get_position_embedding_group(check_initialized=False) if stages else None,
     )
+
+
+def component_contexts(layouts: Mapping[str, tuple[int, int]]) -> dict[str, ParallelContext]:
+    """A context per named component, all on every rank of the default group: `layouts` maps a
+    name to its (TP, PP); each component's DP is world / (TP * PP). {"vision": (1, 1), "language":
+    (2, 1)} on 2 ranks: vision replicated (TP=1, DP=2), language split (TP=2, DP=1); a frozen
+    encoder replicated over all ranks is (1, 1).
+
+    Ranks are laid out as megatron-core lays out the whole model (tensor fastest, then data, then
+    pipeline: rank = (pp_rank * DP + dp_rank) * TP + tp_rank), so a component at the global layout
+    gets the ranks of megatron's groups. Group creation is collective: every rank must call this
+    with the same `layouts` (same order); every group of every component is created in the same
+    order on all ranks, each distinct rank list once (the world's is the default group)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    made = {tuple(range(world)): dist.group.WORLD}
+
+    def own(rows) -> object:
+        """Create (or reuse) a group for every row of ranks; this rank's, or None if in none."""
+        mine = None
+        for row in rows:
+            key = tuple(int(r) for r in row)
+            if key not in made:
+                made[key] = dist.new_group(list(key))
+            if rank in key:
+                mine = made[key]
+        return mine
+
+    alone = own([[r] for r in range(world)])
+    out = {}
+    for name, (tp, pp) in layouts.items():
+        if tp < 1 or pp < 1 or world % (tp * pp):
+            raise UserError(f"component {name!r}: TP={tp} x PP={pp} does not divide the world size {world}")
+        dp = world // (tp * pp)
+        grid = torch.arange(world).reshape(pp, dp, tp)  # grid[p, d, t] is the global rank
+        stages = grid.permute(1, 2, 0).reshape(-1, pp)  # one row per pipeline
+        out[name] = ParallelContext.from_groups(
+            own(grid.reshape(-1, tp)),
+            own(stages),
+            own(grid.transpose(1, 2).reshape(-1, dp)),
+            mp_group=own(grid.transpose(0, 1).reshape(dp, pp * tp)),
+            cp_group=alone,
+            embedding_group=own(stages[:, [0, -1]]) if pp > 1 else None,
+            pos_embedding_group=own(stages[:, :1]) if pp > 1 else None,
+        )
+    return out
+
+
+def validate_components(parallel_cfg, world_size: int, known_components) -> dict[str, tuple[int, int]]:
+    """Check `parallel.components` against the model and the world size; return every known
+    component's (TP, PP), an override's value where set, else the model's global one. Raises a
+    UserError naming the key for an unknown component, a PP > 1 (components run one pipeline
+    stage each: no schedule for a pipeline per component exists yet) or a TP * PP that does not
+    divide the world size."""
+    known = list(known_components)
+    overrides = dict(parallel_cfg.components or {})
+    for name in overrides:
+        if name not in known:
+            raise UserError(f"parallel.components.{name}: this model has no component {name!r}; its components are {', '.join(known)}")
+    layouts = {}
+    for name in known:
+        over = overrides.get(name)
+        tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
+        tp_key, pp_key = "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"
+        if over is not None and over.tensor_model_parallel_size is not None:
+            tp, tp_key = over.tensor_model_parallel_size, f"parallel.components.{name}.tensor_model_parallel_size"
+        if over is not None and over.pipeline_model_parallel_size is not None:
+            pp, pp_key = over.pipeline_model_parallel_size, f"parallel.components.{name}.pipeline_model_parallel_size"
+        if pp != 1:
+            raise UserError(f"{pp_key}={pp}: component {name!r} would run pipeline parallelism, which components do not support yet; "
+                            f"set parallel.components.{name}.pipeline_model_parallel_size=1")
+        if tp < 1 or world_size % tp:
+            raise UserError(f"{tp_key}={tp} does not divide the world size {world_size}; "
+                            f"set parallel.components.{name}.tensor_model_parallel_size to a divisor of {world_size}")
+        layouts[name] = (tp, pp)
+    return layouts
 
 
 def on_rank0(fn: Callable[[], None]) -> None:
