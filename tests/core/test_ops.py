@@ -94,14 +94,14 @@ def test_attention_causal_gqa_against_explicit_softmax(hq, hk):
     torch.testing.assert_close(ref.attention(q, k, v, causal=True), want, rtol=1e-5, atol=1e-6)
 
 
-def test_cross_entropy_ignore_index():
+def test_linear_cross_entropy_ignore_index():
     torch.manual_seed(0)
-    logits = torch.randn(2, 3, 11)
-    labels = torch.tensor([[1, -100, 3], [4, 5, -100]])
-    loss = ref.cross_entropy(logits, labels)
-    assert loss[0, 1] == 0 and loss[1, 2] == 0
-    want = torch.nn.functional.cross_entropy(logits[0, 0:1], labels[0, 0:1])
-    torch.testing.assert_close(loss[0, 0], want)
+    hidden, weight = torch.randn(6, 8), torch.randn(11, 8)
+    labels = torch.tensor([1, -100, 3, 4, 5, -100])
+    token_weights = torch.tensor([1.0, 7.0, 0.5, 1.0, 2.0, 7.0])  # ignored labels contribute 0 whatever their weight
+    keep = labels != -100
+    want = (torch.nn.functional.cross_entropy(hidden[keep] @ weight.T, labels[keep], reduction="none") * token_weights[keep]).sum()
+    torch.testing.assert_close(ref.linear_cross_entropy(hidden, weight, labels, token_weights), want)
 
 
 def test_op_table_selection_errors():

@@ -1,4 +1,5 @@
-"""`loongforge`: what is installed (`info`) and whether this machine can train (`doctor`)."""
+"""`loongforge`: train any installed recipe (`train`), what is installed (`info`), and whether
+this machine can train (`doctor`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,21 @@ from importlib.metadata import PackageNotFoundError, distributions, version
 
 from loongforge.core.errors import cli_entry
 
-EXAMPLES = """examples:
-  loongforge info            # packages, registered components, accelerators, devices
+TRAIN_EXAMPLES = """examples:
+  loongforge train tiny                                  # shipped demo config: tiny corpus + model, CPU ok
+  loongforge train tiny train.train_iters=20 checkpoint.run_dir=runs/t
+  loongforge train sft checkpoint.load=runs/tiny/hf      # shipped SFT demo (its YAML says recipe: llm.sft)
+  loongforge train run.yaml recipe=llm.sft train.lr=3e-4  # your YAML; recipe= overrides its `recipe:` key
+  loongforge train llm/tiny                              # PACKAGE/NAME, for a name shipped by two packages
+  torchrun --nproc-per-node 2 -m loongforge.core.cli train tiny parallel.tensor_model_parallel_size=2
+CONFIG is a YAML path or a shipped config (`loongforge info` lists them). The recipe is the
+`recipe=` override, else the YAML's `recipe:` key, else the default recipe of the config's package."""
+
+EXAMPLES = f"""{TRAIN_EXAMPLES}
+  loongforge info            # packages, recipes, shipped configs, registered components, devices
   loongforge doctor          # checks imports and runs one tiny training step on this machine
-  LOONGFORGE_DEVICE=cpu loongforge doctor"""
+  LOONGFORGE_DEVICE=cpu loongforge doctor
+Errors you can fix print one line and exit 2; add --debug for the traceback."""
 
 
 def _pkgs() -> list[tuple[str, str]]:
@@ -22,6 +34,7 @@ def _pkgs() -> list[tuple[str, str]]:
 def info() -> int:
     import torch
 
+    from loongforge.core.recipes import recipes, shipped_configs
     from loongforge.core.registry import registry
 
     reg = registry()
@@ -36,6 +49,16 @@ def info() -> int:
     print("registered:")
     for kind in reg.kinds():
         print(f"  {kind}: {', '.join(reg.names(kind))}")
+    print("recipes (loongforge train CONFIG recipe=NAME):")
+    for r in recipes(reg):
+        notes = [f"schema {r.schema.__module__}.{r.schema.__qualname__}", f"from {reg.origin('recipe', r.name)}"]
+        notes += [f"default of {r.package} configs"] if r.default else []
+        notes += [f"also {', '.join(r.aliases)}"] if r.aliases else []
+        print(f"  {r.name}: {'; '.join(notes)}")
+    print("shipped configs (loongforge train NAME, or PACKAGE/NAME):")
+    for package, configs in shipped_configs(reg).items():
+        for name, path in configs.items():
+            print(f"  {package}/{name}: {path}")
     print("accelerators:")
     for name in reg.names("accelerator"):
         cls = reg.get("accelerator", name)
@@ -69,11 +92,26 @@ def doctor() -> int:
     return 0 if ok else 1
 
 
+def parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="loongforge", description="LoongForge: train any installed recipe; inspect the install.",
+                                epilog=EXAMPLES, formatter_class=fmt)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train a recipe from a YAML or shipped config", epilog=TRAIN_EXAMPLES, formatter_class=fmt)
+    t.add_argument("config", help="YAML file, or a shipped config name (tiny, sft, llm/tiny)")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=3e-4 recipe=llm.sft")
+    sub.add_parser("info", help="packages, recipes, shipped configs, components, devices", epilog=EXAMPLES, formatter_class=fmt)
+    sub.add_parser("doctor", help="check imports and run one tiny training step", epilog=EXAMPLES, formatter_class=fmt)
+    return p
+
+
 @cli_entry
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="loongforge", description="LoongForge core tools.", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cmd", choices=["info", "doctor"])
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
+    if args.cmd == "train":
+        from loongforge.core.recipes import train
+
+        return train(args.config, args.overrides)
     return info() if args.cmd == "info" else doctor()
 
 

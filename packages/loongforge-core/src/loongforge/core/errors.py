@@ -1,20 +1,54 @@
-"""Errors a user can cause, and how command-line entry points report them."""
+"""Errors a user can cause, and how command-line entry points report them.
+
+`cli_entry` keeps a terminal to LoongForge's own messages without changing the process for
+anyone else: while the wrapped CLI runs, and only then, it hides the warnings in
+`QUIET_NOTICES` (each matched by the module that warns, and by its message) and megatron's log
+messages below ERROR; both are put back when the CLI returns. megatron-core is how the CLIs
+train, not an API their user calls: its warnings (import-time notices that Transformer Engine
+and Apex are not installed, deprecations of its own defaults and of the torch APIs it calls)
+say nothing the user can act on. A user's own warnings, and those of every other library, show
+as usual; `--debug` hides nothing and shows tracebacks.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
+
+# (module, message) regexes: what megatron-core warns, and torch's deprecation of the
+# ShardedTensor that megatron's dist_checkpointing saves (warned from torch's own modules).
+QUIET_NOTICES = (
+    (r"megatron\.", ""),
+    (r"torch\.distributed\.checkpoint\.", r"Please use DTensor instead and we are deprecating ShardedTensor"),
+)
 
 
 class UserError(Exception):
     """Bad input from the user (config, paths, checkpoints). CLIs print one line and exit 2."""
 
 
+@contextlib.contextmanager
+def quiet_notices() -> Iterator[None]:
+    """Hide QUIET_NOTICES and megatron's log messages below ERROR inside the block only."""
+    log = logging.getLogger("megatron")
+    level = log.level
+    with warnings.catch_warnings():
+        for module, message in QUIET_NOTICES:
+            warnings.filterwarnings("ignore", message=message, module=module)
+        log.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            log.setLevel(level)
+
+
 def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], int]:
-    """Wrap a CLI main: a UserError prints one line and exits 2; `--debug` shows the traceback."""
+    """Wrap a CLI main: a UserError prints one line and exits 2; `--debug` shows the traceback.
+    On return the process group and the accelerator are released."""
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
@@ -22,13 +56,9 @@ def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], 
         debug = "--debug" in argv
         if debug:
             argv.remove("--debug")
-        else:
-            # megatron-core warns at import about optional extras (apex, TE) that LoongForge
-            # never uses; keep a user's terminal to our own messages.
-            warnings.filterwarnings("ignore", module=r"megatron\.")
-            logging.getLogger("megatron").setLevel(logging.ERROR)
         try:
-            return main(argv) or 0
+            with contextlib.nullcontext() if debug else quiet_notices():
+                return main(argv) or 0
         except UserError as e:
             if debug:
                 raise
@@ -37,7 +67,10 @@ def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], 
         finally:
             import torch.distributed as dist
 
+            from loongforge.core.accelerator import release_accelerator
+
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
+            release_accelerator()
 
     return wrapper

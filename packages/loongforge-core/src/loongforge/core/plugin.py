@@ -1,4 +1,5 @@
-"""What loongforge-core itself registers."""
+"""What loongforge-core itself registers, through its `loongforge.plugins` entry point (`core`) like
+every other package: the decoder families and the two built-in accelerators."""
 
 from loongforge.core.accelerator import CPUAccelerator, CUDAAccelerator
 from loongforge.core.foundation.families import FAMILIES

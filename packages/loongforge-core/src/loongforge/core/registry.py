@@ -1,8 +1,11 @@
 """One registry for everything pluggable, filled from the `loongforge.plugins` entry points.
 
-Each entry point names a function `register(registry)`. Kinds used today: "family" (decoder
-families), "accelerator", "op" (`<op>.<impl>`), "recipe". Registering touches only this
-registry, never another library's (no HF AutoModel registration).
+Each entry point names a function `register(registry)`; loongforge-core registers its own
+families and accelerators through its entry point like every other package. Kinds used today:
+"family" (decoder families), "accelerator", "op" (`<op>.<impl>`), "recipe" (a
+`loongforge.core.recipes.Recipe`, named `<package>.<name>`). Registering touches only this
+registry, never another library's (no HF AutoModel registration), and imports neither
+megatron-core nor transformers.
 """
 
 from __future__ import annotations
@@ -17,16 +20,15 @@ from loongforge.core.errors import UserError
 class Registry:
     def __init__(self) -> None:
         self._items: dict[str, dict[str, Any]] = {}
-        self.plugins: list[tuple[str, str]] = []  # (entry point name, distribution)
+        self._origin: dict[tuple[str, str], str] = {}
+        self.source = "?"  # the distribution whose plugin is registering: each added item's origin
 
     def add(self, kind: str, name: str, obj: Any) -> None:
         table = self._items.setdefault(kind, {})
         if name in table and table[name] is not obj:
             raise ValueError(f"{kind} {name!r} registered twice")
         table[name] = obj
-
-    def has(self, kind: str, name: str) -> bool:
-        return name in self._items.get(kind, {})
+        self._origin[(kind, name)] = self.source
 
     def get(self, kind: str, name: str) -> Any:
         table = self._items.get(kind, {})
@@ -42,6 +44,10 @@ class Registry:
     def kinds(self) -> list[str]:
         return sorted(self._items)
 
+    def origin(self, kind: str, name: str) -> str:
+        """The distribution whose plugin registered `name` ("?" when added by hand)."""
+        return self._origin.get((kind, name), "?")
+
 
 _REGISTRY: Registry | None = None
 
@@ -51,13 +57,9 @@ def registry() -> Registry:
     global _REGISTRY
     if _REGISTRY is None:
         reg = Registry()
-        from loongforge.core.plugin import register as register_core
-
-        register_core(reg)
-        for ep in entry_points(group="loongforge.plugins"):
-            if ep.value == "loongforge.core.plugin:register":
-                continue
+        for ep in sorted(entry_points(group="loongforge.plugins"), key=lambda e: e.name):
+            reg.source = ep.dist.name if ep.dist else ep.name
             ep.load()(reg)
-            reg.plugins.append((ep.name, ep.dist.name if ep.dist else "?"))
+        reg.source = "?"
         _REGISTRY = reg
     return _REGISTRY

@@ -75,25 +75,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "train":
-        from loongforge.core.config import load_config, read_yaml
-        from loongforge.llm import pretrain
-        from loongforge.llm.config import CONFIG_DIR, RECIPES, shipped_config
-        from loongforge.llm.sft import recipe as sft
+        from loongforge.core.recipes import train
 
-        path = shipped_config(args.config)
-        recipe = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("recipe=")), None)
-        recipe = recipe or read_yaml(path, [CONFIG_DIR]).get("recipe", "pretrain")
-        if recipe not in RECIPES:
-            raise UserError(f"recipe={recipe!r}: choose one of {', '.join(RECIPES)}")
-        cfg = load_config(RECIPES[recipe], path, args.overrides, search=[CONFIG_DIR])
-        state = (sft.run if recipe == "sft" else pretrain.run)(cfg)
-        import torch.distributed as dist
-
-        if dist.get_rank() == 0:
-            print(f"done: step {state['step']}, run dir {cfg.checkpoint.run_dir}")
-        return 0
+        return train(args.config, args.overrides, prefer="llm")  # `loongforge train`, llm's configs and recipe names first
     if args.cmd == "preprocess":
-        from loongforge.llm.tokenizer import load_tokenizer
+        from loongforge.core.data.text import load_tokenizer
 
         if args.sft:
             return preprocess_sft(args)
@@ -126,9 +112,7 @@ def main(argv: list[str]) -> int:
 
 
 def preprocess_sft(args) -> int:
-    from loongforge.llm.config import SFTDataConfig, SFTDatasetConfig
-    from loongforge.llm.sft.recipe import write_prepacked
-    from loongforge.llm.tokenizer import load_tokenizer
+    from loongforge.core.data.text import SFTDataConfig, SFTDatasetConfig, load_tokenizer, write_prepacked
 
     if not args.output_dir:
         raise UserError("preprocess --sft needs --output-dir")
@@ -152,8 +136,8 @@ def preprocess_sft(args) -> int:
 def generate(args) -> int:
     import torch
 
+    from loongforge.core.data.text import load_tokenizer
     from loongforge.llm.model_io import load_model, tokenizer_dir_for
-    from loongforge.llm.tokenizer import load_tokenizer
 
     tok_path = args.tokenizer
     if tok_path is None:

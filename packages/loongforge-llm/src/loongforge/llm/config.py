@@ -1,12 +1,13 @@
-"""The LLM pretraining run config: core's shared sections plus the text data section."""
+"""The LLM run configs: core's shared sections plus each recipe's data section (pretraining's
+here; SFT's schema, `SFTDataConfig`, lives in `loongforge.core.data.text`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
 
 from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
+from loongforge.core.data.text import SFTDataConfig, SFTDatasetConfig  # noqa: F401 (SFTDatasetConfig: kept importable from here)
 from loongforge.core.foundation.lora import LoRAConfig
 from loongforge.core.foundation.spec import ModelConfig
 
@@ -26,7 +27,7 @@ class TextDataConfig:
 class RunSections:
     """The sections every LLM recipe's config has; each recipe adds its `data` section."""
 
-    recipe: str = ""
+    recipe: str = ""  # the qualified recipe name (llm.pretrain, llm.sft); older YAMLs say pretrain / sft
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -37,48 +38,12 @@ class RunSections:
 
 @dataclass
 class PretrainConfig(RunSections):
-    recipe: str = "pretrain"
+    recipe: str = "llm.pretrain"
     data: TextDataConfig = field(default_factory=TextDataConfig)
-
-
-def shipped_config(name: str) -> Path:
-    """A config path as given, or the name of one shipped in loongforge.llm.configs."""
-    p = Path(name)
-    if p.is_file():
-        return p
-    cand = CONFIG_DIR / (name if name.endswith(".yaml") else name + ".yaml")
-    return cand if cand.is_file() else p
-
-
-@dataclass
-class SFTDatasetConfig:
-    path: str = ""  # jsonl/json/parquet/arrow/csv file or directory, or "tiny" (shipped demo set)
-    format: str = "alpaca"  # alpaca | sharegpt | openai
-    weight: float = 1.0
-    keys: dict = field(default_factory=dict)  # field-name overrides, e.g. {messages: chat, role: speaker}
-
-
-@dataclass
-class SFTDataConfig:
-    datasets: List[SFTDatasetConfig] = field(default_factory=list)
-    tokenizer: str = "tiny"
-    template: Optional[str] = None  # None: the tokenizer's own; or qwen2, qwen3, qwen3_thinking, llama3
-    seq_length: int = 512
-    packing: bool = True  # best-fit decreasing packs (micro_batch_size must be 1); false: one padded sample per row
-    train_on_prompt: bool = False
-    last_turn_only: bool = False
-    append_eos: bool = False  # add the tokenizer's EOS (trained on) after each sample, for models whose EOS is not the template's end of turn
-    on_bad_sample: str = "skip"  # skip | error
-    loss_normalization: str = "token"  # token: mean over the global batch's trained tokens; sample: each sample's token mean, averaged over samples
-    prepacked: Optional[str] = None  # directory written by `loongforge-llm preprocess --sft` (replaces datasets/template above)
-    streaming: bool = False  # tokenize and pack while training instead of before step 1
-    stream_buffer: int = 2000  # streaming: samples packed together (and shuffle buffer per dataset)
 
 
 @dataclass
 class SFTConfig(RunSections):
-    recipe: str = "sft"
+    recipe: str = "llm.sft"
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
 
-
-RECIPES = {"pretrain": PretrainConfig, "sft": SFTConfig}

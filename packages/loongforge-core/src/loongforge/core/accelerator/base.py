@@ -1,20 +1,29 @@
 """The accelerator interface and the two built-in backends, `cuda` and `cpu`.
 
 The `cpu` backend is a product feature ("debug any config on a laptop"): it runs megatron-core
-on gloo. `CPUAccelerator.setup` adapts the CUDA assumptions megatron-core makes on the paths
-LoongForge uses, once per process, before any model is built:
-- activation recompute saves and restores RNG state through `_get_cuda_rng_state` /
-  `_set_cuda_rng_state`: pointed at the CPU generator;
-- dist_checkpointing allocates its small bookkeeping tensors on `torch.cuda.current_device()`
-  and calls `torch.cuda.synchronize()`: on a machine without CUDA (where both would raise) the
-  first answers the CPU device and the second does nothing. Where CUDA exists they are left
-  alone.
+on gloo. Nothing is changed at import. `CPUAccelerator.setup()` (run by `get_accelerator()`,
+once per process, before any model is built) adapts the CUDA assumptions of the megatron-core
+code LoongForge runs on the CPU, each by replacing one attribute of one megatron module, and
+`teardown()` (run by `release_accelerator()`) puts every one back. torch itself is never
+patched: `torch.cuda.current_device()` and `torch.cuda.synchronize()` stay torch's.
+- `megatron.core.tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`
+  (activation recompute saves and restores the RNG state through them): the CPU generator's.
+- `torch` as seen by `megatron.core.dist_checkpointing.strategies.state_dict_saver` and
+  `.filesystem_async` (`CPU_TORCH_VIEW_MODULES`): a view of torch whose
+  `cuda.current_device()` is the CPU device and whose `cuda.synchronize()` does nothing;
+  every other attribute is torch's own. Saving a checkpoint allocates the failure flag it
+  broadcasts after writing on `torch.cuda.current_device()` and synchronizes after copying
+  the tensors to write; these two are the only calls into `torch.cuda` that LoongForge's CPU
+  runs make (pretraining, SFT and LoRA, TP=2 and PP=2 on gloo, save, resume with resharding,
+  HF import/export), found by recording every caller in those runs. The view is used whether
+  or not the machine has CUDA: under the cpu accelerator megatron's tensors live on the CPU.
 Everything else LoongForge calls in megatron-core is device-agnostic as used (CPU weight init,
 our own data-parallel sync and pipeline schedule instead of megatron DDP/schedules).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from contextlib import nullcontext
 
@@ -34,6 +43,9 @@ class Accelerator:
 
     def setup(self) -> None:
         """Process-wide preparation, called once before models are built."""
+
+    def teardown(self) -> None:
+        """Undo `setup`."""
 
     def device(self) -> torch.device:
         return torch.device(self.device_type)
@@ -62,9 +74,6 @@ class Accelerator:
     def reset_peak_memory(self) -> None:
         pass
 
-    def capabilities(self) -> dict:
-        return {"bf16": False, "flash_attention": False}
-
     def peak_flops(self) -> float | None:
         """Dense peak FLOP/s of one device in the training dtype (None: unknown, no MFU)."""
         return None
@@ -76,10 +85,52 @@ class Accelerator:
         torch.set_rng_state(state["cpu"])
 
 
+class _CPUCuda:
+    """`torch.cuda` for megatron code running on the CPU: the current device is the CPU and
+    there is nothing to synchronize; every other attribute is torch.cuda's."""
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CPUTorch:
+    """`torch` with `cuda` replaced by `_CPUCuda`, for the modules in CPU_TORCH_VIEW_MODULES."""
+
+    cuda = _CPUCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+CPU_TORCH_VIEW_MODULES = (
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+)
+
+
+def _cpu_rng_state(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
 class CPUAccelerator(Accelerator):
     name = "cpu"
     device_type = "cpu"
     backend = "gloo"
+
+    def __init__(self) -> None:
+        self._replaced: list[tuple[object, str, object]] = []  # (module, attribute, original value)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -88,18 +139,16 @@ class CPUAccelerator(Accelerator):
     def setup(self) -> None:
         from megatron.core.tensor_parallel import random as mrandom
 
-        def get_state(device="cuda", clone=False, graph_safe=False):
-            return torch.get_rng_state()
+        swaps = [(mrandom, "_get_cuda_rng_state", _cpu_rng_state), (mrandom, "_set_cuda_rng_state", _set_cpu_rng_state)]
+        swaps += [(importlib.import_module(m), "torch", _CPUTorch()) for m in CPU_TORCH_VIEW_MODULES]
+        for module, attr, value in swaps:
+            self._replaced.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, value)
 
-        def set_state(new_state, device=-1, graph_safe=False):
-            torch.set_rng_state(new_state)
-
-        mrandom._get_cuda_rng_state = get_state
-        mrandom._set_cuda_rng_state = set_state
-
-        if not torch.cuda.is_available():
-            torch.cuda.current_device = lambda: torch.device("cpu")
-            torch.cuda.synchronize = lambda device=None: None
+    def teardown(self) -> None:
+        while self._replaced:
+            module, attr, original = self._replaced.pop()
+            setattr(module, attr, original)
 
 
 class CUDAAccelerator(Accelerator):
@@ -115,10 +164,15 @@ class CUDAAccelerator(Accelerator):
         return torch.device("cuda", torch.cuda.current_device())
 
     def manual_seed(self, seed: int) -> None:
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
+        """torch's generators, and megatron's tensor-parallel RNG tracker where megatron's
+        parallel state exists (the megatron stack; the torch stack never initializes it)."""
         torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)
 
     def train_dtype(self) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -134,9 +188,6 @@ class CUDAAccelerator(Accelerator):
 
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats()
-
-    def capabilities(self) -> dict:
-        return {"bf16": torch.cuda.is_bf16_supported(), "flash_attention": True, "name": torch.cuda.get_device_name()}
 
     # Dense bf16 tensor-core peaks from the vendor data sheets (SXM parts).
     PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
@@ -179,3 +230,12 @@ def get_accelerator(name: str | None = None) -> Accelerator:
     acc.setup()
     _ACTIVE = acc
     return acc
+
+
+def release_accelerator() -> None:
+    """Tear down the process's accelerator (undoing its `setup`) and forget it, so that the
+    process is as before the first `get_accelerator()`; the CLIs call this on exit."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.teardown()
+        _ACTIVE = None

@@ -11,9 +11,11 @@ own class (same `weight`, same sharded checkpoint layout) plus `lora_a` [rank, i
 - row-parallel (W split by input columns): A is split by columns, B is whole; `A x` is summed
   over the TP group (megatron's reduce), like the base output.
 
-Adapters are initialized as PEFT does (A uniform in +-1/sqrt(in), B zero) from a generator
-seeded by the run seed and the linear's global name, so the start does not depend on the
-TP/PP layout.
+Adapters are initialized as PEFT does (A uniform in +-1/sqrt(in), B zero) from their own
+generator, seeded by the run seed and the linear's global name, so the start depends neither on
+the TP/PP layout nor on what the global generator produced before the build. The run seed is
+`torch.initial_seed()`, the seed the trainer gives torch (`train.seed`) just before it builds
+the model.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def is_adapter_key(name: str) -> bool:
 
 
 def _name_seed(name: str) -> int:
+    """The seed of `name`'s adapter: the last seed given to torch (not its generator's state)."""
     return (torch.initial_seed() * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 

@@ -123,13 +123,6 @@ def attention(
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Per-token cross entropy in fp32, 0 where labels == ignore_index. logits [..., vocab]."""
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="none")
-    return loss.view(labels.shape)
-
-
 def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor,
     ignore_index: int = -100, label_smoothing: float = 0.0,

@@ -16,7 +16,6 @@ REFERENCE_OPS: dict[str, Callable] = {
     "swiglu": reference.swiglu,
     "attention": reference.attention,
     "varlen_attention": reference.varlen_attention,
-    "cross_entropy": reference.cross_entropy,
     "linear_cross_entropy": reference.linear_cross_entropy,
     "moe_permute": reference.moe_permute,
     "moe_unpermute": reference.moe_unpermute,
