@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from loongforge.core.train.optimizer import TableAdamW
-from loongforge.core.train.trainer import clipped_step, grad_sq_norm
+from loongforge.core.stacks.grads import grad_sq_norm
+from loongforge.core.train.trainer import clipped_step
 
 
 def _params(dtype, seed=0):

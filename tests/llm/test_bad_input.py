@@ -110,12 +110,14 @@ def test_corrupt_checkpoint_on_convert_and_load(finished_run, tmp_path):
     _one_line_error(run_cli(["generate", str(d), "--prompt", "hi"]), "corrupt manifest")
 
 
-def test_convert_refuses_a_non_empty_output(finished_run, tmp_path):
+@pytest.mark.parametrize("direction", ["lf-to-hf", "hf-to-lf"])
+def test_convert_refuses_a_non_empty_output(direction, finished_run, hf_llama4, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    _one_line_error(run_cli(["convert", "lf-to-hf", str(finished_run), str(out)]), "not empty")
-    assert (out / "keep.txt").read_text() == "mine"
+    (out / "tokenizer").mkdir(parents=True)
+    (out / "tokenizer" / "tokenizer.json").write_text("mine")
+    src = finished_run if direction == "lf-to-hf" else hf_llama4
+    _one_line_error(run_cli(["convert", direction, str(src), str(out)]), "not empty")
+    assert (out / "tokenizer" / "tokenizer.json").read_text() == "mine" and sorted(p.name for p in out.rglob("*")) == ["tokenizer", "tokenizer.json"]
 
 
 def test_preprocess_bad_inputs(tmp_path):

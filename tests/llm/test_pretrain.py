@@ -21,7 +21,7 @@ def test_preprocess_jsonl_and_parquet_roundtrip(tmp_path):
     import datasets
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from loongforge.llm.tokenizer import load_tokenizer
+    from loongforge.core.data.text import load_tokenizer
 
     docs = ["Ada found a red kite.", "one plus two is three.", "Ben sold the lamp at the market."]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -43,8 +43,8 @@ def test_preprocess_jsonl_and_parquet_roundtrip(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_prefixes(tmp_path_factory):
+    from loongforge.core.data.text import load_tokenizer
     from loongforge.llm.data import preprocess
-    from loongforge.llm.tokenizer import load_tokenizer
     from loongforge.llm.pretrain import resolve_corpus
 
     d = tmp_path_factory.mktemp("data")
@@ -86,9 +86,9 @@ def test_first_step_loss_equals_hf_loss(hf_llama4, tmp_path):
 
     r = run_cli(["train", "tiny", *FAST, "train.train_iters=1", "data.split='95,5,0'", f"checkpoint.load={hf_llama4}", f"checkpoint.run_dir={tmp_path}"])
     assert r.returncode == 0, r.stderr[-3000:]
+    from loongforge.core.data.text import load_tokenizer
     from loongforge.llm.data import build_gpt_datasets
     from loongforge.llm.config import TextDataConfig
-    from loongforge.llm.tokenizer import load_tokenizer
 
     cfg = TextDataConfig(data_path=[str(tmp_path / "data" / "corpus_text_document")], seq_length=32, split="95,5,0")
     train, _, _ = build_gpt_datasets(cfg, load_tokenizer("tiny"), 1234, [4, 1, 0], tmp_path / "data" / "cache")

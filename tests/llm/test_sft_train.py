@@ -14,8 +14,7 @@ COMMON = ["train.lr_warmup_iters=0", "train.lr=5e-3", "train.min_lr=5e-3", "trai
 
 def _num_packs(rows_file):
     from loongforge.core.data import best_fit_decreasing
-    from loongforge.llm.sft import SFTTokenizer, to_messages
-    from loongforge.llm.tokenizer import load_tokenizer
+    from loongforge.core.data.text import SFTTokenizer, load_tokenizer, to_messages
 
     st = SFTTokenizer(load_tokenizer("tiny"), "qwen2")
     lengths = [len(st(to_messages(r, "alpaca"))["input_ids"]) - 1 for r in ROWS]
@@ -117,7 +116,7 @@ def test_per_sample_mask_weighs_samples_equally():
     import torch
 
     from loongforge.core.data import pack_samples
-    from loongforge.llm.sft.recipe import per_sample_mask
+    from loongforge.core.data.text import per_sample_mask
 
     s = [{"tokens": torch.arange(n), "labels": torch.arange(n), "loss_mask": torch.tensor(m, dtype=torch.float32)}
          for n, m in ((3, [0, 1, 1]), (5, [0, 0, 1, 1, 1]), (2, [0, 0]))]

@@ -8,22 +8,29 @@ Each setup trains `--warmup` steps untimed, then `--steps` timed steps (CUDA eve
 whole loop), and reports ms/step, tokens/s, TFLOP/s, MFU against the GPU's dense bf16 peak and
 peak memory. FLOPs per token = 6 * params + 12 * layers * hidden * seq (no recompute counted).
 
-Setups:
-- `loongforge trainer`: the step `loongforge-llm train` runs on a GPU: bf16 parameters with fp32
-  master weights (fp32 gradient accumulation, fp32 AdamW, copy back), bf16 autocast, the GPU op
-  table (Triton RMSNorm, RoPE, SwiGLU, fused linear + cross-entropy when loongforge-kernels is
-  installed), core's forward_backward, the trainer's gradient norm and clipped AdamW step (op `adamw`).
+Setups (every `loongforge ...` row times `Trainer.train_step` itself: loss normalization over the
+global batch, gradient finalization, norm, LR update, clipped AdamW through op `adamw`, NaN/Inf
+guard; one fixed micro-batch per step, so no data loading):
+- `loongforge trainer`: the megatron stack as `loongforge-llm train` runs it on a GPU: bf16
+  parameters with fp32 master weights (fp32 gradient accumulation, fp32 AdamW, copy back), bf16
+  autocast, the GPU op table (Triton RMSNorm, RoPE, SwiGLU, fused linear + cross-entropy when
+  loongforge-kernels is installed). Compare with `hf compile fp32 params + autocast` (fp32 masters
+  on both sides).
 - `loongforge trainer (pure bf16)`: the same with `train.master_weights=false`: bf16 parameters,
-  gradients and AdamW state, the precision of the HF and megatron baselines below.
+  gradients and AdamW state, the precision of `hf eager`, `hf compile` and `megatron local spec`.
 - `... + recompute`: full activation recompute (`train.recompute=true`), one layer at a time.
 - `loongforge trainer (reference ops)`: the same step with core's plain-torch op references.
-- `loongforge fp32 params + autocast`: the previous default (fp32 parameters, bf16 autocast),
-  GPU op table.
+- `loongforge fp32 params + autocast`: fp32 parameters under bf16 autocast, GPU op table.
+- `loongforge torch stack (fsdp)` / `(fsdp, pure bf16)`: `parallel.stack=torch`: the HF
+  LlamaForCausalLM as-is under FSDP2 (`fully_shard` per block; masters: fp32 parameters, bf16
+  compute through FSDP's mixed-precision policy), the loss through our op table.
 - `loongforge-llm train (CLI)` / `(CLI) pure bf16`: the real command, `python -m loongforge.llm.cli
-  train llama_1p3b` with this shape in a subprocess (its data loader, NaN/Inf guard and per-step
-  logging with their host syncs included); ms/step is the median of the trainer's own step times
-  over the last `--steps` steps, peak memory its logged peak.
+  train llama_1p3b` with this shape in a subprocess (its data loader and logging included);
+  2 x `--steps` steps logged every `--steps`: ms/step is the trainer's mean over the second
+  window, peak memory its logged peak.
 - `hf eager` / `hf compile`: LlamaForCausalLM (sdpa), bf16 parameters, fused AdamW.
+- `hf compile fp32 params + autocast`: fp32 parameters, bf16 autocast, compiled (the HF
+  Trainer's bf16 setting).
 - `megatron local spec`: megatron-core's own GPTModel with `get_gpt_layer_local_spec` (no
   transformer-engine: its unfused DotProductAttention), bf16 parameters, same step.
 """
@@ -35,6 +42,7 @@ import logging
 import gc
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -84,48 +92,56 @@ def timed(step, warmup: int, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool = False):
-    """precision: "masters" (bf16 params, fp32 masters: the GPU default), "pure" (all bf16) or
-    "fp32" (fp32 params under bf16 autocast)."""
+def loongforge_trainer(mcfg, rows: int, seq: int, precision: str, kernels: bool, recompute: bool = False, stack: str = "megatron"):
+    """A set-up `Trainer` of the LLM task for micro-batches of `rows` x `seq` tokens, one per step.
+    precision: "masters" (bf16 params, fp32 masters: the GPU default), "pure" (all bf16) or
+    "fp32" (fp32 params under bf16 autocast). stack: "megatron" (our megatron-core model) or
+    "torch" (the HF model as-is on FSDP2 with our op table's loss)."""
+    import tempfile
+
     from loongforge.core.accelerator import get_accelerator
-    from loongforge.core.foundation.families import LLAMA
-    from loongforge.core.foundation.spec import build_gpt_model
+    from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
     from loongforge.core.ops import OpTable
-    from loongforge.core.parallel import init_parallel
     from loongforge.core.registry import registry
-    from loongforge.core.train.pipeline import forward_backward
-    from loongforge.core.train.precision import MasterWeights, PureLowPrecision
-    from loongforge.core.train.optimizer import TableAdamW
-    from loongforge.core.train.trainer import clipped_step, grad_sq_norm
+    from loongforge.core.stacks.build import build_stack
+    from loongforge.core.train.trainer import Trainer
+    from loongforge.llm.config import PretrainConfig
+    from loongforge.llm.pretrain import CausalLMTask, RunData
 
     acc = get_accelerator("cuda")
-    ctx = init_parallel(1, 1, acc.backend, acc.device_type)
-    acc.manual_seed(0)
+    b, s = rows, seq
+    train = TrainConfig(micro_batch_size=b, global_batch_size=b, train_iters=1 << 30, lr=1e-4, lr_warmup_iters=0, weight_decay=0.1,
+                        params_dtype="float32" if precision == "fp32" else "bfloat16", master_weights=precision != "pure", recompute=recompute)
+    par = ParallelConfig(stack=stack, data_parallel_mode="fsdp")
+    cfg = PretrainConfig(model=mcfg, parallel=par, train=train, checkpoint=CheckpointConfig(run_dir=tempfile.mkdtemp(), export_hf=False))
+    cfg.data.seq_length = s
+    params_dtype = {"fp32": torch.float32}.get(precision, torch.bfloat16)
+    stack_obj, ctx = build_stack(par, train, acc, params_dtype)
     ops = OpTable.build(None, registry(), "cuda") if kernels else OpTable()
-    model = build_gpt_model(LLAMA.resolve(mcfg), ctx, ops, recompute=recompute)
-    if precision == "pure":  # cast before moving: the fp32 copy never reaches the GPU
-        model = model.to(torch.bfloat16)
-    model = model.cuda()
-    opt = TableAdamW(model.parameters(), update=ops.adamw, lr=1e-4, weight_decay=0.1)
-    trained = [p for g in opt.param_groups for p in g["params"]]
-    low = {"masters": lambda: MasterWeights(model, torch.bfloat16), "pure": lambda: PureLowPrecision(model, opt, torch.bfloat16),
-           "fp32": lambda: None}[precision]()
-    mb = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_weights": torch.full(tokens.shape, 1.0 / tokens.numel(), device=tokens.device)}
-    act = (tokens.shape[1], tokens.shape[0], mcfg.hidden_size)
+    data = RunData(lambda start: iter(()), b * s, b)  # the caller hands train_step its micro-batches
+    task = CausalLMTask(cfg, mcfg, None, stack_obj, ctx, ops, data, acc.device(), Path(cfg.checkpoint.run_dir))
+    if ctx is not None:
+        stack_obj.activation_shape = task.activation_shape
+    trainer = Trainer(train, cfg.checkpoint, stack_obj, acc, task, {}, "benchmark", ops)
+    trainer.setup()
+    return trainer
+
+
+def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool = False, stack: str = "megatron"):
+    """`Trainer.train_step` itself on a fixed micro-batch: the trainer's loss normalization,
+    gradient finalization, norm, LR update, clipped AdamW (op `adamw`) and NaN/Inf guard."""
+    trainer = loongforge_trainer(mcfg, tokens.shape[0], tokens.shape[1], precision, kernels, recompute, stack)
+    mb = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_weights": torch.ones(tokens.shape, device=tokens.device)}
 
     def step():
-        for p in trained:
-            p.grad = None
-        loss = forward_backward(model, [mb], ctx, act, torch.float32, tokens.device, acc.autocast)
-        clipped_step(opt, grad_sq_norm(trained, tokens.device).sqrt(), 1.0, loss)  # the trainer's guard too, on the device
-        if low is not None:
-            low.copy_to_model()
+        trainer.train_step([mb])
 
-    return step, (model, opt, low)
+    return step, trainer
 
 
 def cli_timed(a, precision: str, warmup: int, steps: int) -> tuple[float, float]:
-    """The training command itself on this shape: (median ms/step of its last `steps` steps, peak GiB)."""
+    """The training command itself on this shape: (mean ms/step of its last `steps` steps, peak GiB); the
+    first `steps` steps warm up (`warmup` is not used: the log interval is the window)."""
     import subprocess
     import sys
     import tempfile
@@ -134,16 +150,15 @@ def cli_timed(a, precision: str, warmup: int, steps: int) -> tuple[float, float]
         args = ["train", "llama_1p3b", f"model.num_layers={a.layers}", f"model.hidden_size={a.hidden}", f"model.num_attention_heads={a.heads}",
                 f"model.num_query_groups={a.kv_heads or a.heads}", f"model.ffn_hidden_size={a.ffn}", f"model.vocab_size={a.vocab}",
                 f"model.max_position_embeddings={a.seq}", f"data.seq_length={a.seq}", f"train.micro_batch_size={a.micro_batch}",
-                f"train.global_batch_size={a.micro_batch}", f"train.train_iters={warmup + steps}", "train.log_interval=1",
+                f"train.global_batch_size={a.micro_batch}", f"train.train_iters={2 * steps}", f"train.log_interval={steps}",
                 "train.eval_interval=0", "train.save_interval=0", f"train.master_weights={'true' if precision == 'masters' else 'false'}",
                 "checkpoint.export_hf=false", f"checkpoint.run_dir={tmp}/run"]
         r = subprocess.run([sys.executable, "-m", "loongforge.llm.cli", *args], capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"loongforge-llm train failed ({r.returncode}): {r.stderr[-2000:]}")
         rows = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
-    last = sorted((r for r in rows if r["step"] > warmup), key=lambda r: r["step"])[-steps:]
-    times = sorted(r["step_time_s"] for r in last)
-    return 1e3 * times[len(times) // 2], max(r["mem_peak_gib"] for r in last)
+    last = max(rows, key=lambda r: r["step"])  # the mean over the last `steps` steps (the first `steps` warm up)
+    return 1e3 * last["step_time_s"], last["mem_peak_gib"]
 
 
 def megatron_local_step(mcfg, tokens):
@@ -175,7 +190,9 @@ def megatron_local_step(mcfg, tokens):
     return step, (model, opt)
 
 
-def hf_step(mcfg, tokens, compile_: bool, checkpointing: bool = False):
+def hf_step(mcfg, tokens, compile_: bool, checkpointing: bool = False, fp32_params: bool = False):
+    """HF's model trained as HF users do: pure bf16 (`.bfloat16()`), or with `fp32_params` fp32 parameters
+    under bf16 autocast (what the HF Trainer's bf16 flag does)."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -185,7 +202,9 @@ def hf_step(mcfg, tokens, compile_: bool, checkpointing: bool = False):
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(cfg).bfloat16().train()
+        model = transformers.LlamaForCausalLM(cfg).train()
+    if not fp32_params:
+        model = model.bfloat16()
     if checkpointing:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
@@ -194,7 +213,9 @@ def hf_step(mcfg, tokens, compile_: bool, checkpointing: bool = False):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        fwd(input_ids=tokens, labels=labels).loss.backward()
+        with torch.autocast("cuda", torch.bfloat16, enabled=fp32_params):
+            loss = fwd(input_ids=tokens, labels=labels).loss
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
 
@@ -219,6 +240,9 @@ def main():
         "loongforge fp32 params + autocast": lambda: loongforge_step(mcfg, tokens, "fp32", True),
         "hf eager": lambda: hf_step(mcfg, tokens, compile_=False, checkpointing=a.hf_checkpointing),
         "hf compile": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.hf_checkpointing),
+        "hf compile fp32 params + autocast": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.hf_checkpointing, fp32_params=True),
+        "loongforge torch stack (fsdp)": lambda: loongforge_step(mcfg, tokens, "masters", True, stack="torch"),
+        "loongforge torch stack (fsdp, pure bf16)": lambda: loongforge_step(mcfg, tokens, "pure", True, stack="torch"),
         "megatron local spec": lambda: megatron_local_step(mcfg, tokens),
     }
     cli_setups = {"loongforge-llm train (CLI)": "masters", "loongforge-llm train (CLI) pure bf16": "pure"}

@@ -17,8 +17,9 @@ Setups:
 - `hf trainer-style`: LlamaForCausalLM (sdpa), micro-batch 4, padded to the longest sample of the
   micro-batch with an attention mask (DataCollatorForSeq2Seq's behaviour), labels -100 on prompt
   and padding, the Trainer's default order (no length grouping).
-All LoongForge setups use the GPU op table (kernels when installed); parameters are bf16 in every
-setup (the HF default), fused AdamW, grad clipping 1.0.
+The LoongForge setups time `Trainer.train_step` (pure bf16, the GPU op table with kernels when
+installed, the trainer's clipped AdamW); HF is bf16 too (its default), fused AdamW, grad
+clipping 1.0.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llm_throughput import add_model_args, hf_step, model_config, timed  # noqa: E402
+from llm_throughput import add_model_args, hf_step, loongforge_trainer, model_config, timed  # noqa: E402
 
 
 def parse():
@@ -62,40 +63,17 @@ def make_samples(n, max_len, vocab, seed=0):
     return out
 
 
-def loongforge_model(mcfg):
-    from loongforge.core.accelerator import get_accelerator
-    from loongforge.core.foundation.families import LLAMA
-    from loongforge.core.foundation.spec import build_gpt_model
-    from loongforge.core.ops import OpTable
-    from loongforge.core.parallel import init_parallel
-    from loongforge.core.registry import registry
-
-    acc = get_accelerator("cuda")
-    ctx = init_parallel(1, 1, acc.backend, acc.device_type)
-    acc.manual_seed(0)
-    ops = OpTable.build(None, registry(), "cuda")
-    model = build_gpt_model(LLAMA.resolve(mcfg), ctx, ops).cuda().bfloat16()
-    return model, ctx, acc, ops
-
-
 def loongforge_setup(mcfg, batches, packed: bool):
-    """batches: list of micro-batch dicts already on the GPU."""
-    from loongforge.core.train.pipeline import forward_backward
-
-    model, ctx, acc, ops = loongforge_model(mcfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+    """`Trainer.train_step` of the LLM task (pure bf16, the HF default's precision, GPU op table)
+    over `batches` (micro-batch dicts already on the GPU), one per step."""
+    mb0 = batches[0]
+    trainer = loongforge_trainer(mcfg, mb0["tokens"].shape[0], mb0["tokens"].shape[1], "pure", kernels=True)
     it = iter(batches)
 
     def step():
-        mb = next(it)
-        for p in model.parameters():
-            p.grad = None
-        act = (mb["tokens"].shape[1], mb["tokens"].shape[0], mcfg.hidden_size)
-        forward_backward(model, [mb], ctx, act, torch.bfloat16, mb["tokens"].device, acc.autocast)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
+        trainer.train_step([next(it)])
 
-    return step, (model, opt), ops.names()["varlen_attention"] if packed else None
+    return step, trainer, trainer.ops.names()["varlen_attention"] if packed else None
 
 
 def main():
@@ -121,7 +99,7 @@ def main():
         psp.cu_seqlens_q = psp.cu_seqlens_q.cuda()
         psp.cu_seqlens_kv = psp.cu_seqlens_kv.cuda()
         packed.append({"tokens": p.tokens.cuda(), "labels": p.labels.cuda(), "loss_mask": p.loss_mask.cuda(),
-                       "loss_weights": (p.loss_mask / p.loss_mask.sum()).cuda(), "packed_seq_params": psp,
+                       "loss_weights": p.loss_mask.cuda(), "packed_seq_params": psp,
                        "real": sum(lengths[i] for i in b), "slots": a.pack_len})
 
     def padded_rows(k, pad_to):
@@ -134,7 +112,7 @@ def main():
         for j, s in enumerate(group):
             n = s["tokens"].numel()
             tok[j, :n], lab[j, :n], mask[j, :n], attn[j, :n] = s["tokens"], s["labels"], s["loss_mask"], 1
-        return {"tokens": tok.cuda(), "labels": lab.cuda(), "loss_mask": mask.cuda(), "loss_weights": (mask / mask.sum()).cuda(), "attention_mask": attn.cuda(),
+        return {"tokens": tok.cuda(), "labels": lab.cuda(), "loss_mask": mask.cuda(), "loss_weights": mask.cuda(), "attention_mask": attn.cuda(),
                 "real": sum(s["tokens"].numel() for s in group), "slots": a.micro_batch * width}
 
     unpacked = [padded_rows(k, a.max_len) for k in range(n_steps)]

@@ -1,4 +1,5 @@
-"""loongforge.llm: LLM pretraining on megatron-core, HF import/export, text data tools.
+"""loongforge.llm: LLM recipes (pretraining, SFT, LoRA, mid-training) on either stack, HF import/export,
+pretraining data (megatron indexed datasets; the text data it shares with vlm is core's).
 
     from loongforge.llm import load_model
     model = load_model("path/to/hf_or_checkpoint")

@@ -1,46 +1,17 @@
-"""Text pretraining data: tokenize documents into megatron indexed datasets (`.bin/.idx`),
-then read blends of them through megatron-core's GPT dataset."""
+"""Text pretraining data: tokenize documents (read with `loongforge.core.data.text.load_rows`)
+into megatron indexed datasets (`.bin/.idx`), then read blends of them through megatron-core's
+GPT dataset."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 
+from loongforge.core.data.text import eod_id, load_rows
 from loongforge.core.errors import UserError
-from loongforge.llm.tokenizer import eod_id
-
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".txt": "text"}
-
-
-def _load_text_dataset(inputs: list[str], streaming: bool = False):
-    """Rows of local jsonl/json/parquet/arrow/csv/txt files or directories of them, through
-    `datasets` (memory-mapped; `streaming` reads them lazily instead)."""
-    import datasets
-
-    files: list[str] = []
-    for item in inputs:
-        p = Path(item)
-        if p.is_dir():
-            files += sorted(str(f) for f in p.rglob("*") if f.suffix in FORMATS)
-        elif p.is_file():
-            files.append(str(p))
-        else:
-            raise UserError(f"data input not found: {item}")
-    if not files:
-        raise UserError(f"no data files (.jsonl/.json/.parquet/.arrow/.csv/.txt) under {', '.join(inputs)}")
-    kinds = {FORMATS.get(Path(f).suffix) for f in files}
-    if None in kinds or len(kinds) != 1:
-        raise UserError(f"data files must share one supported format ({', '.join(FORMATS)}); got {sorted(map(str, kinds))}")
-    # Reading files shows no bars (an error right after stays one line); tokenizing shows one.
-    datasets.disable_progress_bars()
-    try:
-        return datasets.load_dataset(kinds.pop(), data_files=files, split="train", streaming=streaming)
-    finally:
-        datasets.enable_progress_bars()
 
 
 def preprocess(inputs: list[str], tokenizer, output_prefix: str, text_key: str = "text", workers: int = 1, append_eod: bool = True) -> dict:
@@ -52,7 +23,7 @@ def preprocess(inputs: list[str], tokenizer, output_prefix: str, text_key: str =
     for suffix in (".bin", ".idx"):
         if out.with_suffix(suffix).exists():
             raise UserError(f"{out.with_suffix(suffix)} exists; pick another --output-prefix or remove it")
-    ds = _load_text_dataset(inputs)
+    ds = load_rows(inputs)
     if text_key not in ds.column_names:
         raise UserError(f"data has no '{text_key}' column (columns: {', '.join(ds.column_names)}); pass --text-key")
     eod = eod_id(tokenizer)
@@ -124,25 +95,3 @@ def build_gpt_datasets(data_cfg, tokenizer, seed: int, num_samples: list[int], c
         mid_level_dataset_surplus=0.005,
     )
     return BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, config).build()
-
-
-def step_batches(dataset, start_step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, device) -> Iterator[list[dict]]:
-    """Micro-batches of each global step for this data-parallel rank; sample order depends only on
-    the step, so a resumed run reads what the uninterrupted one would have."""
-    per_rank = global_batch // dp_size
-    step = start_step
-    while True:
-        base = step * global_batch + dp_rank * per_rank
-        mbs = []
-        for m in range(per_rank // micro_batch):
-            idx = [base + m * micro_batch + i for i in range(micro_batch)]
-            samples = [dataset[i % len(dataset)] for i in idx]
-            mbs.append(
-                {
-                    "tokens": torch.stack([s["tokens"] for s in samples]).to(device),
-                    "labels": torch.stack([s["labels"] for s in samples]).to(device),
-                    "loss_mask": torch.stack([s["loss_mask"] for s in samples]).to(device),
-                }
-            )
-        yield mbs
-        step += 1

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from loongforge.core.checkpoint import CheckpointDir, find_checkpoint, load_megatron, read_manifest, save_megatron, verify_files
+from loongforge.core.checkpoint import CheckpointDir, checkpoint_manifest, find_checkpoint, load_megatron, read_manifest, save_megatron, verify_files
+from loongforge.core.data.text import copy_tokenizer
 from loongforge.core.errors import UserError
+from loongforge.core.outputs import require_new_dir
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf as hf_to_lf_state
 from loongforge.core.foundation.lora import LoRAConfig, is_adapter_key
@@ -60,6 +61,13 @@ def load_model(path, base=None) -> CausalLM:
     cfg = model_config_from_manifest(m)
     lora = lora_config_from_manifest(m)
     model = CausalLM.build(registry().get("family", cfg.family), cfg, ctx, lora=lora)
+    if checkpoint_stack(m) == "torch":  # DCP shards of the HF model: read whole, mapped by the family's table
+        from loongforge.core.checkpoint.dcp_io import read_model_state
+        from loongforge.core.foundation.hf_native import PREFIX
+
+        hf_state = {k.removeprefix(PREFIX): v for k, v in read_model_state(step).items()}
+        load_lf_state(model.gpt, hf_to_lf_state(model.family.mapping, hf_state, model.cfg))
+        return model.eval()
     if lora is None:
         load_megatron(step, model.gpt)
         return model.eval()
@@ -79,27 +87,19 @@ def load_model(path, base=None) -> CausalLM:
 
 
 def write_checkpoint(model: CausalLM, out_dir, extra_config: dict | None = None) -> Path:
-    """Save a whole model as a step-0 LoongForge checkpoint under `out_dir`."""
-    ckdir = CheckpointDir(out_dir)
-    if ckdir.root.exists() and any(ckdir.root.iterdir()):
-        raise UserError(f"{out_dir} already holds checkpoints; choose a new output directory")
+    """Save a whole model as a step-0 LoongForge checkpoint (megatron stack, TP=1) under `out_dir`."""
+    ckdir = CheckpointDir(require_new_dir(out_dir))
     tmp = ckdir.begin(0)
     save_megatron(tmp, model.gpt)
-    manifest = {
-        "run_identity": None,
-        "config": {"model": dataclasses.asdict(model.cfg), **(extra_config or {})},
-        "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1},
-        "trainer": {"step": 0, "optimizer_steps": 0, "consumed_samples": 0, "bad_steps": 0},
-        "rng": {},
-    }
+    layout = {"stack": "megatron", "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1}
+    state = {"step": 0, "optimizer_steps": 0, "consumed_samples": 0, "bad_steps": 0}
+    manifest = checkpoint_manifest(None, {"model": dataclasses.asdict(model.cfg), **(extra_config or {})}, layout, state, {})
     return ckdir.commit(tmp, 0, manifest)
 
 
-def copy_tokenizer(src, dst) -> None:
-    src, dst = Path(src), Path(dst)
-    for f in src.iterdir():
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")):
-            shutil.copy2(f, dst / f.name)
+def checkpoint_stack(manifest: dict) -> str:
+    """The stack that wrote a checkpoint (its shard format): megatron or torch."""
+    return manifest.get("parallel", {}).get("stack", "megatron")
 
 
 def _has_tokenizer(d: Path) -> bool:
@@ -118,7 +118,7 @@ def tokenizer_dir_for(path) -> Path | None:
         return run_tok
     tok = read_manifest(step).get("config", {}).get("data", {}).get("tokenizer")
     if tok:
-        from loongforge.llm.tokenizer import resolve_tokenizer_path
+        from loongforge.core.data.text import resolve_tokenizer_path
 
         try:
             return resolve_tokenizer_path(tok)
@@ -128,6 +128,7 @@ def tokenizer_dir_for(path) -> Path | None:
 
 
 def hf_to_lf(hf_dir, out_dir) -> Path:
+    require_new_dir(out_dir)
     model = CausalLM.from_hf(hf_dir, families(), _single_process_ctx())
     tok = tokenizer_dir_for(hf_dir)
     step = write_checkpoint(model, out_dir)
@@ -140,12 +141,12 @@ def hf_to_lf(hf_dir, out_dir) -> Path:
 def lf_to_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32, base=None) -> Path:
     """An HF model directory from a checkpoint (LoRA adapters merged into the base weights)."""
     step = _existing_step(ckpt)
-    out = _new_output_dir(out_dir)
+    out = require_new_dir(out_dir)
     model = load_model(step, base)
     tok_dir = tokenizer_dir_for(step)
     extra = {}
     if tok_dir is not None:
-        from loongforge.llm.tokenizer import load_tokenizer
+        from loongforge.core.data.text import load_tokenizer
 
         tok = load_tokenizer(str(tok_dir))
         extra = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id, "pad_token_id": tok.pad_token_id}
@@ -158,7 +159,7 @@ def lf_to_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32, base=None) -> Pa
 def lf_to_peft(ckpt, out_dir, base=None) -> Path:
     """A LoRA checkpoint's adapters as a PEFT adapter directory (with the tokenizer)."""
     step = _existing_step(ckpt)
-    out = _new_output_dir(out_dir)
+    out = require_new_dir(out_dir)
     if lora_config_from_manifest(read_manifest(step)) is None:
         raise UserError(f"{step} has no LoRA adapters (trained with lora.rank=0); use lf-to-hf")
     model = load_model(step, base)
@@ -174,13 +175,6 @@ def _existing_step(ckpt) -> Path:
     if step is None:
         raise UserError(f"{ckpt}: not a LoongForge checkpoint (no manifest.json or latest)")
     return step
-
-
-def _new_output_dir(out_dir) -> Path:
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out}: output directory exists and is not empty; choose a new one")
-    return out
 
 
 def run_converter_subprocess(direction: str, src, dst) -> None:

@@ -1,5 +1,6 @@
-"""The pretraining recipe, and the setup every LLM recipe shares (`train`): core's trainer hooks
-filled with a megatron-core GPT model stage, the recipe's data and HF import/export."""
+"""The pretraining recipe, and what every LLM recipe shares (`train`): a `CausalLMTask` (core's
+training-task contract for next-token prediction of a decoder family) on the stack the config
+asks for, with the recipe's data and HF import/export."""
 
 from __future__ import annotations
 
@@ -9,48 +10,45 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 
 from loongforge.core.accelerator import get_accelerator
-from loongforge.core.checkpoint import find_checkpoint, load_megatron, read_manifest, verify_files
+from loongforge.core.checkpoint import find_checkpoint, read_manifest, verify_files
+from loongforge.core.data import rank_micro_batches
+from loongforge.core.data.text import copy_tokenizer, load_tokenizer, resolve_tokenizer_path
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf as map_hf_to_lf
 from loongforge.core.foundation.lora import is_adapter_key
-from loongforge.core.foundation.model import load_lf_state
 from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
 from loongforge.core.ops import OpTable
-from loongforge.core.parallel import init_parallel, on_rank0
+from loongforge.core.parallel import on_rank0
 from loongforge.core.registry import registry
-from loongforge.core.train.trainer import Trainer, TrainHooks, fingerprint, move_aside, prepare_run_dir
+from loongforge.core.stacks.build import build_stack
+from loongforge.core.train.precision import resolve_params_dtype
+from loongforge.core.train.run_dir import prepare_run_dir, run_identity, start_run_dir, weight_source
+from loongforge.core.train.task import TrainingTask
+from loongforge.core.train.trainer import Trainer
 from loongforge.llm import data as text_data
-from loongforge.llm.model_io import copy_tokenizer, lf_to_hf, lf_to_peft, model_config_from_manifest, run_converter_subprocess
-from loongforge.llm.tokenizer import load_tokenizer, resolve_tokenizer_path
+from loongforge.llm.model_io import checkpoint_stack, lf_to_hf, lf_to_peft, model_config_from_manifest, run_converter_subprocess
 
 
 def resolve_model_config(cfg) -> tuple[ModelConfig, str | None]:
     """The model config, and where its starting weights come from ('hf', 'lf' or None)."""
-    load = cfg.checkpoint.load
-    if load:
-        if hf_io.is_hf_dir(load):
-            fam, mcfg = hf_io.read_hf_config(load, {n: registry().get("family", n) for n in registry().names("family")})
-            return fam.resolve(mcfg), "hf"
-        step = find_checkpoint(load)
-        if step is None:
-            raise UserError(f"checkpoint.load={load}: neither an HF model directory nor a LoongForge checkpoint")
-        return model_config_from_manifest(read_manifest(step)), "lf"
+    source, where = weight_source(cfg.checkpoint.load)
+    if source == "hf":
+        fam, mcfg = hf_io.read_hf_config(where, {n: registry().get("family", n) for n in registry().names("family")})
+        return fam.resolve(mcfg), "hf"
+    if source == "lf":
+        return model_config_from_manifest(read_manifest(where)), "lf"
     fam = registry().get("family", cfg.model.family)
     return fam.resolve(cfg.model), None
 
 
-def validate(cfg, mcfg: ModelConfig, tok, world: int) -> None:
-    t, par = cfg.train, cfg.parallel
-    mp = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
-    dp = world // mp
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise UserError(
-            f"train.global_batch_size={t.global_batch_size} must be a multiple of micro_batch_size*data_parallel_size={t.micro_batch_size * dp}"
-        )
+def validate(cfg, mcfg: ModelConfig, tok) -> None:
+    """The LLM-specific checks (core checks the batch sizes against the layout)."""
+    par = cfg.parallel
     if mcfg.vocab_size % par.tensor_model_parallel_size:
         raise UserError(f"model.vocab_size={mcfg.vocab_size} must be divisible by tensor_model_parallel_size={par.tensor_model_parallel_size}")
     if len(tok) > mcfg.vocab_size:
@@ -58,6 +56,8 @@ def validate(cfg, mcfg: ModelConfig, tok, world: int) -> None:
     if cfg.data.seq_length > mcfg.max_position_embeddings:
         raise UserError(f"data.seq_length={cfg.data.seq_length} exceeds model.max_position_embeddings={mcfg.max_position_embeddings}")
     cfg.lora.validate()
+    if cfg.lora.enabled and par.stack != "megatron":
+        raise UserError("LoRA runs on the megatron stack: set parallel.stack=megatron (or lora.rank=0)")
     if cfg.checkpoint.load_optimizer and (not cfg.checkpoint.load or hf_io.is_hf_dir(cfg.checkpoint.load)):
         raise UserError("checkpoint.load_optimizer=true takes the optimizer state of a LoongForge checkpoint: set checkpoint.load to one (HF directories hold none)")
     if cfg.checkpoint.load_optimizer:
@@ -68,14 +68,11 @@ def validate(cfg, mcfg: ModelConfig, tok, world: int) -> None:
         raise UserError("checkpoint.load_optimizer=true cannot be combined with LoRA (the base checkpoint's optimizer state is for all weights)")
     if cfg.lora.enabled and not cfg.checkpoint.load:
         raise UserError("lora.rank > 0 trains adapters on frozen weights: set checkpoint.load to the base model (HF directory or LoongForge checkpoint)")
-
-
-def run_identity(cfg, mcfg: ModelConfig) -> str:
-    t = dataclasses.asdict(cfg.train)
-    for k in ("train_iters", "log_interval", "eval_interval", "eval_iters", "save_interval", "max_bad_steps", "recompute"):
-        t.pop(k)
-    return fingerprint({"model": dataclasses.asdict(mcfg), "data": dataclasses.asdict(cfg.data), "train": t, "load": cfg.checkpoint.load,
-                        "lora": dataclasses.asdict(cfg.lora)})
+    if cfg.checkpoint.load and not hf_io.is_hf_dir(cfg.checkpoint.load):
+        saved = checkpoint_stack(read_manifest(find_checkpoint(cfg.checkpoint.load)))
+        if saved != par.stack:
+            raise UserError(f"checkpoint.load={cfg.checkpoint.load} was saved by the {saved} stack and parallel.stack={par.stack}: "
+                            f"export it first (`loongforge-llm convert lf-to-hf {cfg.checkpoint.load} OUT`) and load OUT")
 
 
 def check_same_model(saved: ModelConfig, wanted: ModelConfig, where: Path) -> None:
@@ -105,23 +102,27 @@ def resolve_corpus(item: str) -> Path:
 
 @dataclass
 class RunData:
-    """What a recipe's data side gives the shared training setup."""
+    """What a recipe's data side gives the shared training setup: micro-batches with `tokens`,
+    `labels` and `loss_weights` ([rows, seq] floats: a token's share of the loss before the
+    trainer's normalization by the global sum of weights; optionally `packed_seq_params`)."""
 
-    batches: Callable[[int], Iterator[list[dict]]]  # first step -> micro-batch lists (with loss_weights)
+    batches: Callable[[int], Iterator[list[dict]]]  # first step -> this rank's micro-batch lists
     tokens_per_step: int
     micro_batch_rows: int  # rows of one micro-batch (1 for THD packs)
     eval_batches: Optional[Callable[[], list]] = None
 
 
-def with_mean_weights(mbs: list[dict]) -> list[dict]:
-    """Each micro-batch's loss is the mean over its unmasked tokens."""
-    for mb in mbs:
-        mask = mb["loss_mask"].float()
-        mb["loss_weights"] = mask / mask.sum().clamp(min=1)
-    return mbs
+def stack_samples(samples: list[dict], device, weights: str = "loss_mask") -> dict:
+    """One micro-batch from same-length samples: `tokens`, `labels`, and their `weights` key as
+    `loss_weights`."""
+    return {
+        "tokens": torch.stack([s["tokens"] for s in samples]).to(device),
+        "labels": torch.stack([s["labels"] for s in samples]).to(device),
+        "loss_weights": torch.stack([s[weights] for s in samples]).float().to(device),
+    }
 
 
-def pretrain_data(cfg, tok, ctx, run_dir: Path, device) -> RunData:
+def pretrain_data(cfg, tok, dp_rank: int, dp_size: int, run_dir: Path, device) -> RunData:
     data_cfg = dataclasses.replace(cfg.data, data_path=ensure_data(cfg, tok, run_dir))
     t = cfg.train
     n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
@@ -130,17 +131,92 @@ def pretrain_data(cfg, tok, ctx, run_dir: Path, device) -> RunData:
         run_dir / "data" / "cache",
     )
 
+    def step_mbs(ds, step):
+        return [stack_samples([ds[i % len(ds)] for i in idx], device)
+                for idx in rank_micro_batches(step, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size)]
+
     def batches(start):
-        for mbs in text_data.step_batches(train_ds, start, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, device):
-            yield with_mean_weights(mbs)
+        step = start
+        while True:
+            yield step_mbs(train_ds, step)
+            step += 1
 
     def eval_batches():
-        if valid_ds is None:
-            return []
-        it = text_data.step_batches(valid_ds, 0, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, device)
-        return [with_mean_weights(next(it)) for _ in range(t.eval_iters)]
+        return [] if valid_ds is None else [step_mbs(valid_ds, k) for k in range(t.eval_iters)]
 
     return RunData(batches, t.global_batch_size * cfg.data.seq_length, t.micro_batch_size, eval_batches if t.eval_interval else None)
+
+
+class CausalLMTask(TrainingTask):
+    """Next-token prediction of a decoder family: a megatron-core GPT stage (megatron stack) or
+    the family's HF model as-is (torch stack), the loss the weighted sum of the tokens'
+    cross-entropies (fused with the output projection through the op table)."""
+
+    unit = "tokens"
+
+    def __init__(self, cfg, mcfg: ModelConfig, source: str | None, stack, ctx, ops: OpTable, data: RunData, device, run_dir: Path):
+        self.cfg, self.mcfg, self.source, self.stack, self.ctx, self.ops = cfg, mcfg, source, stack, ctx, ops
+        self.data, self.device, self.run_dir = data, device, run_dir
+        self.lora = cfg.lora if cfg.lora.enabled else None
+        self.megatron = cfg.parallel.stack == "megatron"
+        self.units_per_step = data.tokens_per_step
+        self.flops_per_step = mcfg.flops_per_token(cfg.data.seq_length, frozen_weights=self.lora is not None) * data.tokens_per_step
+        self.activation_shape = (cfg.data.seq_length, data.micro_batch_rows, mcfg.hidden_size)
+        self.trainable_only = self.lora is not None
+        self.family = registry().get("family", mcfg.family)
+
+    def build_model(self):
+        if self.megatron:
+            return build_gpt_model(self.mcfg, self.ctx, self.ops, recompute=self.cfg.train.recompute, lora=self.lora).to(self.device)
+        from loongforge.core.foundation.hf_native import build_hf_causal_lm
+
+        return build_hf_causal_lm(self.family, self.mcfg, self.ops).to(self.device)
+
+    def batches(self, start_step):
+        return self.data.batches(start_step)
+
+    def eval_batches(self):
+        return self.data.eval_batches() if self.data.eval_batches is not None else None
+
+    def loss(self, model, mb):
+        if self.megatron:
+            out = model(mb["tokens"], None, None, labels=mb["labels"], loss_mask=mb["loss_weights"], packed_seq_params=mb.get("packed_seq_params"))
+            if not model.post_process:
+                return out  # a pipeline stage before the last: its activations
+        else:
+            out = model(mb["tokens"], mb["labels"], mb["loss_weights"])
+        return out, mb["loss_weights"].sum(), {}
+
+    def initial_weights(self, model, optimizer, stack) -> int:
+        """The starting weights (for LoRA: the frozen base, which its checkpoints do not hold),
+        and with checkpoint.load_optimizer the AdamW state of the LoongForge checkpoint (returning
+        how many steps it has seen, for AdamW's bias correction after a resume)."""
+        if self.source is None:
+            return 0
+        src = self.cfg.checkpoint.load
+        if self.source == "hf":
+            hf_state = hf_io.load_hf_state(src)
+            if self.megatron:  # the family's table maps HF names to ours; each rank takes its shards
+                stack.load_full_state_dict(model, map_hf_to_lf(self.family.mapping, hf_state, self.mcfg), skip=is_adapter_key)
+            else:
+                stack.load_full_state_dict(model, hf_state)
+            return 0
+        step = find_checkpoint(src)
+        on_rank0(lambda: verify_files(step))
+        if optimizer is not None and self.cfg.checkpoint.load_optimizer:
+            done = read_manifest(step)["trainer"]["optimizer_steps"]
+            # the moments keep their own bias-correction count; the run's step and LR schedule start at 0
+            stack.load(step, model, optimizer, optimizer_steps=done)
+            return done
+        stack.load(step, model, select=lambda k: not is_adapter_key(k))
+        return 0
+
+    def on_saved(self, step_dir: Path, final: bool) -> None:
+        if final and self.cfg.checkpoint.export_hf:
+            single = dist.get_world_size() == 1
+            export_hf(step_dir, self.run_dir / "hf", in_process=single)
+            if self.lora is not None:
+                export_hf(step_dir, self.run_dir / "hf_adapter", in_process=single, direction="lf-to-peft")
 
 
 def run(cfg) -> dict:
@@ -149,93 +225,35 @@ def run(cfg) -> dict:
 
 def train(cfg, make_data: Callable) -> dict:
     """The setup every LLM recipe shares: devices and groups, tokenizer, model config and its
-    starting weights, run directory, then core's trainer. `make_data(cfg, tok, ctx, run_dir,
-    device)` returns the recipe's RunData."""
+    starting weights, run directory, then core's trainer. `make_data(cfg, tok, dp_rank, dp_size,
+    run_dir, device)` returns the recipe's RunData."""
     acc = get_accelerator()
-    par = cfg.parallel
-    ctx = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, acc.backend, acc.device_type)
     tok = load_tokenizer(cfg.data.tokenizer)
     mcfg, source = resolve_model_config(cfg)
-    validate(cfg, mcfg, tok, dist.get_world_size())
+    params_dtype = resolve_params_dtype(cfg.train.params_dtype, acc)
+    stack, ctx = build_stack(cfg.parallel, cfg.train, acc, params_dtype)
+    validate(cfg, mcfg, tok)
     ops = OpTable.build(cfg.ops, registry(), acc.device_type)
     run_dir = Path(cfg.checkpoint.run_dir)
-    identity = run_identity(cfg, mcfg)
+    identity = run_identity(cfg.train, model=mcfg, data=cfg.data, load=cfg.checkpoint.load, lora=cfg.lora)
     resume_from = prepare_run_dir(cfg.checkpoint, identity)
     if resume_from is not None:
         check_same_model(model_config_from_manifest(read_manifest(resume_from)), mcfg, resume_from)
 
-    def prepare():
-        if resume_from is None and cfg.checkpoint.overwrite:
-            moved = move_aside(run_dir)
-            if moved:
-                print(f"moved the previous checkpoints to {moved}", flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
+    def copy_tok(run_dir: Path):
         if not (run_dir / "tokenizer").exists():
             (run_dir / "tokenizer").mkdir()
             copy_tokenizer(resolve_tokenizer_path(cfg.data.tokenizer), run_dir / "tokenizer")
 
-    on_rank0(prepare)
+    start_run_dir(cfg.checkpoint, resume_from, copy_tok)
     device = acc.device()
-    data = make_data(cfg, tok, ctx, run_dir, device)
-    t = cfg.train
-
-    lora = cfg.lora if cfg.lora.enabled else None
-
-    def build():
-        return build_gpt_model(mcfg, ctx, ops, recompute=t.recompute, lora=lora).to(device)
-
-    def initial_weights(model, optimizer):
-        """The starting weights (for LoRA: the frozen base, which its checkpoints do not hold),
-        and with checkpoint.load_optimizer the AdamW state of the LoongForge checkpoint (returning
-        how many steps it has seen, for AdamW's bias correction after a resume)."""
-        if source is None:
-            return
-        src = cfg.checkpoint.load
-        if source == "hf" and ctx.tp_size * ctx.pp_size == 1:
-            load_lf_state(model, map_hf_to_lf(registry().get("family", mcfg.family).mapping, hf_io.load_hf_state(src), mcfg))
-            return
-        if source == "hf":
-            # Convert once on rank 0 into a TP=1 checkpoint; dist_checkpointing reshards it.
-            tmp = run_dir / "hf_import"
-
-            def convert():
-                if find_checkpoint(tmp) is None:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    run_converter_subprocess("hf-to-lf", src, tmp)
-
-            on_rank0(convert)
-            src = tmp
-        step = find_checkpoint(src)
-        on_rank0(lambda: verify_files(step))
-        if optimizer is not None and cfg.checkpoint.load_optimizer:
-            done = read_manifest(step)["trainer"]["optimizer_steps"]
-            # the moments keep their own bias-correction count; the run's step and LR schedule start at 0
-            load_megatron(step, model, optimizer, optimizer_steps=done)
-            return done
-        load_megatron(step, model, select=lambda k: not is_adapter_key(k))
-
-    def on_saved(step_dir: Path, final: bool):
-        if final and cfg.checkpoint.export_hf:
-            single = dist.get_world_size() == 1
-            export_hf(step_dir, run_dir / "hf", in_process=single)
-            if lora is not None:
-                export_hf(step_dir, run_dir / "hf_adapter", in_process=single, direction="lf-to-peft")
-
-    hooks = TrainHooks(
-        build=build,
-        batches=data.batches,
-        act_shape=(cfg.data.seq_length, data.micro_batch_rows, mcfg.hidden_size),
-        tokens_per_step=data.tokens_per_step,
-        flops_per_token=mcfg.flops_per_token(cfg.data.seq_length, frozen_weights=lora is not None),
-        eval_batches=data.eval_batches,
-        initial_weights=initial_weights,
-        on_saved=on_saved,
-        save_trainable_only=lora is not None,
-        ops=ops,
-    )
+    data = make_data(cfg, tok, stack.dp_rank, stack.dp_size, run_dir, device)
+    task = CausalLMTask(cfg, mcfg, source, stack, ctx, ops, data, device, run_dir)
+    if ctx is not None:
+        stack.activation_shape = task.activation_shape
     run_config = dataclasses.asdict(cfg)
     run_config["model"] = dataclasses.asdict(mcfg)
-    trainer = Trainer(t, cfg.checkpoint, ctx, acc, hooks, run_config, identity)
+    trainer = Trainer(cfg.train, cfg.checkpoint, stack, acc, task, run_config, identity, ops)
     return trainer.run(resume_from)
 
 

@@ -14,18 +14,21 @@ replaced atomically after that, so a crash never leaves a broken newest checkpoi
 from loongforge.core.checkpoint.layout import (
     FORMAT_VERSION,
     CheckpointDir,
+    checkpoint_manifest,
     find_checkpoint,
     read_manifest,
     verify_files,
 )
-from loongforge.core.checkpoint.megatron_io import load_megatron, save_megatron
+from loongforge.core.checkpoint.megatron_io import load_full_state, load_megatron, save_megatron
 
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointDir",
+    "checkpoint_manifest",
     "find_checkpoint",
     "read_manifest",
     "verify_files",
+    "load_full_state",
     "load_megatron",
     "save_megatron",
 ]

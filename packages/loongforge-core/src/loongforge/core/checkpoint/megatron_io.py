@@ -70,3 +70,36 @@ def load_megatron(directory: Path, model, optimizer=None, optimizer_steps: int =
         for st in osd["state"].values():
             st["step"] = torch.tensor(float(optimizer_steps))
         optimizer.load_state_dict(osd)
+
+
+@torch.no_grad()
+def load_full_state(model, state: dict, skip: Select = None) -> None:
+    """Copy a whole TP=1, PP=1 LoongForge state dict (e.g. mapped from HF) into this rank's
+    shards of a megatron model at any TP/PP layout, in process: every tensor of the model's
+    `sharded_state_dict` (factories such as the SwiGLU fc1 split built into their parts, which
+    are views of the parameters) takes its slice of the full tensor by its global offset.
+    `skip(name)` leaves model tensors out (LoRA adapters the state lacks)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from loongforge.core.errors import UserError
+
+    def tensors(x):
+        for v in nested_values(x):
+            if isinstance(v, ShardedTensorFactory):
+                yield from tensors(v.build())
+            elif isinstance(v, ShardedTensor):
+                yield v
+
+    # per-layer keys with global layer numbers (as a TP=1, PP=1 state dict names them), not
+    # megatron's default of layers stacked along a leading axis
+    for sh in tensors(model.sharded_state_dict(metadata={"non_homogeneous_layers": True})):
+        if skip is not None and skip(sh.key):
+            continue
+        if sh.key not in state:
+            raise UserError(f"weights do not fit the model: missing {sh.key!r}")
+        full = state[sh.key]
+        pre = sh.prepend_axis_num  # axes the checkpoint stacks tensors along (none in a TP=1 state dict)
+        if tuple(full.shape) != tuple(sh.global_shape[pre:]) or any(n != 1 for n in sh.global_shape[:pre]):
+            raise UserError(f"weight {sh.key}: shape {tuple(full.shape)} does not fit the model's {tuple(sh.global_shape[pre:])}")
+        sh.data.copy_(full[tuple(slice(o, o + n) for o, n in zip(sh.global_offset[pre:], sh.local_shape))])

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from loongforge.core.errors import UserError
+from loongforge.core.outputs import require_new_dir
 from loongforge.core.foundation.spec import FamilySpec, ModelConfig
 
 SHARD_BYTES = 4 * 1024**3
@@ -19,11 +20,17 @@ def is_hf_dir(path) -> bool:
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
-def read_hf_config(hf_dir, families: dict[str, FamilySpec]) -> tuple[FamilySpec, ModelConfig]:
+def read_hf_config(hf_dir, families: dict[str, FamilySpec], section: str | None = None) -> tuple[FamilySpec, ModelConfig]:
+    """The family and model config of an HF directory; `section` reads a nested config (e.g. a
+    VLM's `text_config`)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise UserError(f"{hf_dir}: not an HF model directory (no config.json)")
     c = json.loads(path.read_text())
+    if section is not None:
+        if not isinstance(c.get(section), dict):
+            raise UserError(f"{path}: no {section!r} section")
+        c = c[section]
     by_type = {f.hf_model_type: f for f in families.values()}
     mt = c.get("model_type")
     if mt not in by_type:
@@ -50,7 +57,7 @@ def read_hf_config(hf_dir, families: dict[str, FamilySpec]) -> tuple[FamilySpec,
         rotary_percent=float(partial),
         norm_eps=c.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=bool(c.get("attention_bias", fam.qkv_bias)) if fam.name != "qwen2" else True,
+        qkv_bias=bool(c.get(fam.hf_qkv_bias_key, fam.qkv_bias)) if fam.hf_qkv_bias_key else fam.qkv_bias,
         qk_norm=fam.qk_norm,
         init_std=c.get("initializer_range", 0.02),
     )
@@ -82,10 +89,9 @@ def hf_config_dict(fam: FamilySpec, cfg: ModelConfig, dtype: torch.dtype, extra:
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dtype": str(dtype).removeprefix("torch."),
     }
-    if fam.name == "llama":
-        d["attention_bias"] = bool(cfg.qkv_bias)
-        d["mlp_bias"] = False
-    return {**d, **(extra or {})}
+    if fam.hf_qkv_bias_key:
+        d[fam.hf_qkv_bias_key] = bool(cfg.qkv_bias)
+    return {**d, **dict(fam.hf_extra_config), **(extra or {})}
 
 
 def load_hf_state(hf_dir) -> dict:
@@ -108,9 +114,7 @@ def load_hf_state(hf_dir) -> dict:
 def _write_new_dir(out_dir, write) -> None:
     """Run `write(tmp)` in a temporary sibling of `out_dir`, then rename it into place; never
     touches an existing non-empty directory."""
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out}: output directory exists and is not empty; choose a new one")
+    out = require_new_dir(out_dir)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=False)
     write(tmp)

@@ -2,11 +2,14 @@
 
 A table row names one LoongForge (megatron-core, TP=1 layout) tensor, the HF tensors it is made
 of and the transform between them. The same rows serve offline conversion and online load/save.
-`{i}` stands for the layer index.
+`{i}` stands for the layer index; a row may hold more placeholders (`{e}` for experts, ...), each
+repeated as the config's `repeats()` says.
 """
 
 from __future__ import annotations
 
+import itertools
+import string
 from dataclasses import dataclass
 
 import torch
@@ -38,12 +41,24 @@ def _qkv_split(qkv, groups: int, heads: int, head_dim: int):
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def _expand(row: Row, num_layers: int):
-    if "{i}" not in row.lf:
+def repeats(cfg) -> dict[str, int]:
+    """How often each placeholder of a row repeats: `{i}` over the layers, and whatever else the
+    config declares through a `repeats()` method (experts, vision layers, ...)."""
+    return cfg.repeats() if hasattr(cfg, "repeats") else {"i": cfg.num_layers}
+
+
+def _expand(row: Row, counts: dict[str, int]):
+    """Every (LoongForge name, HF names) of a row, over the product of its placeholders' ranges."""
+    names = sorted({f for _, f, _, _ in string.Formatter().parse(row.lf) if f})
+    if not names:
         yield row.lf, row.hf
         return
-    for i in range(num_layers):
-        yield row.lf.format(i=i), tuple(h.format(i=i) for h in row.hf)
+    missing = [n for n in names if n not in counts]
+    if missing:
+        raise ValueError(f"mapping row {row.lf!r}: no repeat count for {{{missing[0]}}} (config repeats: {sorted(counts)})")
+    for values in itertools.product(*(range(counts[n]) for n in names)):
+        fill = dict(zip(names, values))
+        yield row.lf.format(**fill), tuple(h.format(**fill) for h in row.hf)
 
 
 def hf_to_lf(table, hf_state: dict, cfg) -> dict:
@@ -51,7 +66,7 @@ def hf_to_lf(table, hf_state: dict, cfg) -> dict:
     out = {}
     used = set()
     for row in table:
-        for lf_name, hf_names in _expand(row, cfg.num_layers):
+        for lf_name, hf_names in _expand(row, repeats(cfg)):
             missing = [h for h in hf_names if h not in hf_state]
             if missing:
                 if row.optional:
@@ -67,7 +82,7 @@ def hf_to_lf(table, hf_state: dict, cfg) -> dict:
                 (t,) = ts
             out[lf_name] = t.detach().clone().contiguous()
     unused = [k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq")]
-    if cfg.tie_word_embeddings:
+    if getattr(cfg, "tie_word_embeddings", False):
         unused = [k for k in unused if k != "lm_head.weight"]
     if unused:
         raise UserError(f"HF checkpoint has tensor {unused[0]!r} that this family does not map ({len(unused)} unmapped)")
@@ -78,7 +93,7 @@ def lf_to_hf(table, lf_state: dict, cfg) -> dict:
     """LoongForge TP=1 state dict -> HF state dict."""
     out = {}
     for row in table:
-        for lf_name, hf_names in _expand(row, cfg.num_layers):
+        for lf_name, hf_names in _expand(row, repeats(cfg)):
             if lf_name not in lf_state:
                 if row.optional:
                     continue
@@ -105,7 +120,7 @@ def lora_to_peft(table, lf_state: dict, cfg) -> tuple[dict, list[str]]:
     for row in table:
         if not row.lf.endswith(".weight"):
             continue
-        for lf_name, hf_names in _expand(row, cfg.num_layers):
+        for lf_name, hf_names in _expand(row, repeats(cfg)):
             base = lf_name.removesuffix("weight")
             if base + "lora_a" not in lf_state:
                 continue

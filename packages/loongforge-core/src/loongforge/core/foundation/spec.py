@@ -38,6 +38,10 @@ class ModelConfig:
     qk_norm: Optional[bool] = None  # None: the family's default
     init_std: float = 0.02
 
+    def repeats(self) -> dict[str, int]:
+        """Placeholder counts of the family's mapping rows (`{i}`: decoder layers)."""
+        return {"i": self.num_layers}
+
     @property
     def kv_channels(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
@@ -54,7 +58,7 @@ class ModelConfig:
     def flops_per_token(self, seq: int, frozen_weights: bool = False) -> float:
         """Training FLOPs per token, forward + backward, no recompute: 6 * params (all of them,
         embeddings included) + causal-agnostic attention 12 * layers * (heads * head_dim) * seq.
-        The convention of the project's H200 baselines (shared/notes/h200-baselines.md).
+        The convention of the benchmarks in docs/benchmarks.md.
         `frozen_weights` (LoRA): no weight gradients, 4 * params (adapters not counted)."""
         per_param = 4.0 if frozen_weights else 6.0
         return per_param * self.num_params() + 12.0 * self.num_layers * self.num_attention_heads * self.kv_channels * seq
@@ -70,6 +74,9 @@ class FamilySpec:
     qkv_bias: bool
     qk_norm: bool
     mapping: tuple = field(default_factory=tuple)  # rows of foundation.hf_mapping.Row
+    # the HF config key that switches the q/k/v bias (None: the family always has its default)
+    hf_qkv_bias_key: Optional[str] = "attention_bias"
+    hf_extra_config: tuple = ()  # (key, value) pairs the family's HF config.json carries besides the shape
 
     def resolve(self, cfg: ModelConfig) -> ModelConfig:
         """Fill the options the config leaves to the family."""

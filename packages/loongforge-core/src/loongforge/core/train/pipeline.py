@@ -1,4 +1,9 @@
-"""Forward and backward of one global batch's micro-batches on this rank's pipeline stage.
+"""Forward and backward of one global batch's micro-batches on this rank's pipeline stage
+(megatron stack).
+
+`loss_fn(model, mb)` is the task's loss: `(weighted_sum, weight, metrics)` on the last stage,
+the stage's output activations on the others. Backward runs on each micro-batch's weighted sum
+as it is (the trainer divides the gradients by the global weight afterwards).
 
 With PP=1 each micro-batch runs forward then backward. With PP>1 the stages run every forward
 first, then every backward (GPipe order), passing activations and their gradients with
@@ -15,31 +20,41 @@ import torch
 import torch.distributed as dist
 
 
+def accumulate(totals: list | None, s: torch.Tensor, w, metrics: dict) -> list:
+    """Running [weighted sum, weight, {metric: sum}] of micro-batch losses (detached, fp32)."""
+    vals = [s.detach().float(), torch.as_tensor(w, device=s.device).detach().float(), {k: v.detach().float() for k, v in metrics.items()}]
+    if totals is None:
+        return vals
+    totals[0] = totals[0] + vals[0]
+    totals[1] = totals[1] + vals[1]
+    totals[2] = {k: totals[2][k] + v for k, v in vals[2].items()}
+    return totals
+
+
 def forward_backward(
     model,
     microbatches: Sequence[dict],
+    loss_fn,
     ctx,
-    act_shape: tuple[int, ...],
+    act_shape: tuple[int, ...] | None,
     act_dtype: torch.dtype,
     device: torch.device,
     autocast,
     forward_only: bool = False,
-) -> torch.Tensor:
-    """Return the mean micro-batch loss (on every stage). A micro-batch holds `tokens`, `labels`
-    and `loss_weights` ([batch, seq] floats): its loss is the weighted sum of its tokens'
-    cross-entropies, computed by the model's last stage (the recipe's weights say what kind of
-    mean that is). A micro-batch may carry `packed_seq_params` (THD packing); every stage
-    receives it."""
-    n = len(microbatches)
-    losses = []
+    metric_names: list | None = None,
+):
+    """This rank's (sum of weighted sums, sum of weights, {metric: sum}) over its micro-batches,
+    on every pipeline stage. `metric_names` (PP>1) is a list the first call fills with the
+    metric names the last stage reported, so that later calls need not send them again."""
+    totals = None
     if ctx.pp_size == 1:
         for mb in microbatches:
             with autocast():
-                loss = model(mb["tokens"], None, None, labels=mb["labels"], loss_mask=mb["loss_weights"], packed_seq_params=mb.get("packed_seq_params"))
+                s, w, metrics = loss_fn(model, mb)
             if not forward_only:
-                (loss / n).backward()
-            losses.append(loss.detach())
-        return torch.stack(losses).mean()
+                s.backward()
+            totals = accumulate(totals, s, w, metrics)
+        return tuple(totals)
 
     inputs, outputs = [], []
     for mb in microbatches:
@@ -50,17 +65,11 @@ def forward_backward(
             recv.requires_grad_(not forward_only)
             model.set_input_tensor(recv)
         with torch.set_grad_enabled(not forward_only), autocast():
-            out = model(
-                mb["tokens"] if ctx.is_first_stage else None,
-                None,
-                None,
-                labels=mb["labels"] if ctx.is_last_stage else None,
-                loss_mask=mb["loss_weights"] if ctx.is_last_stage else None,
-                packed_seq_params=mb.get("packed_seq_params"),
-            )
-            if ctx.is_last_stage:
-                losses.append(out.detach())
-        if not ctx.is_last_stage:
+            out = loss_fn(model, mb)
+        if ctx.is_last_stage:
+            totals = accumulate(totals, *out)
+            out = out[0]
+        else:
             dist.send(out.detach().to(act_dtype).contiguous(), dst=ctx.next_rank, group=ctx.pp_group)
         inputs.append(recv)
         outputs.append(out)
@@ -68,7 +77,7 @@ def forward_backward(
     if not forward_only:
         for recv, out in zip(inputs, outputs):
             if ctx.is_last_stage:
-                (out / n).backward()
+                out.backward()
             else:
                 grad = torch.empty(act_shape, dtype=act_dtype, device=device)
                 dist.recv(grad, src=ctx.next_rank, group=ctx.pp_group)
@@ -76,8 +85,17 @@ def forward_backward(
             if recv is not None:
                 dist.send(recv.grad.to(act_dtype).contiguous(), dst=ctx.prev_rank, group=ctx.pp_group)
 
-    mean = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
-    # Every stage reports the loss: the last stage holds it.
+    # Every stage reports the sums: the last stage holds them.
     last = dist.get_global_rank(ctx.pp_group, ctx.pp_size - 1)
-    dist.broadcast(mean, src=last, group=ctx.pp_group)
-    return mean
+    names = metric_names if metric_names is not None else []
+    if not names:  # the first call: the other stages learn the metric names once
+        box = [sorted(totals[2]) if ctx.is_last_stage else None]
+        dist.broadcast_object_list(box, src=last, group=ctx.pp_group)
+        names.extend(box[0] or [""])  # "" marks "no metrics" as known
+    keys = [n for n in names if n]
+    if ctx.is_last_stage:
+        flat = torch.stack([totals[0], totals[1], *(totals[2][k] for k in keys)])
+    else:
+        flat = torch.empty(2 + len(keys), dtype=torch.float32, device=device)
+    dist.broadcast(flat, src=last, group=ctx.pp_group)
+    return flat[0], flat[1], {k: flat[2 + i] for i, k in enumerate(keys)}

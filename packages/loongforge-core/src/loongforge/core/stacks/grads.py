@@ -1,0 +1,48 @@
+"""Gradient and parameter-group helpers every stack uses."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def param_groups(params) -> list[dict]:
+    """AdamW groups over the trainable parameters: matrices take the optimizer's weight decay,
+    vectors (norms, biases) none."""
+    decay, no_decay = [], []
+    for p in params:
+        if p.requires_grad:
+            (no_decay if p.dim() < 2 else decay).append(p)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def buckets(tensors, size):
+    """Consecutive groups of tensors of about `size` elements (one collective each)."""
+    bucket, n = [], 0
+    for t in tensors:
+        bucket.append(t)
+        n += t.numel()
+        if n >= size:
+            yield bucket
+            bucket, n = [], 0
+    if bucket:
+        yield bucket
+
+
+def all_reduce_mean(grads: list[torch.Tensor], group, size: int) -> None:
+    """Mean of the gradients over `group`, in flattened buckets of 32M elements."""
+    for bucket in buckets(grads, 1 << 25):
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        for g, f in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+            g.copy_(f)
+
+
+def grad_sq_norm(params, device) -> torch.Tensor:
+    """Sum of squares of the parameters' gradients, in fp32: one fused per-tensor norm launch
+    (bf16 gradients are read once and never copied)."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()

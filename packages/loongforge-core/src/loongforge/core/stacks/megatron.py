@@ -1,0 +1,103 @@
+"""The megatron stack: megatron-core models (TP, PP and DP from a `ParallelContext`), our own
+data-parallel gradient all-reduce and pipeline schedule, dist_checkpointing shards.
+
+Low-precision parameters live here too: bf16 parameters with fp32 masters (`MasterWeights`,
+applied in `prepare`, the optimizer built over the masters) or pure bf16 (`PureLowPrecision`,
+applied once the optimizer exists). Checkpoint I/O always sees fp32 tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loongforge.core.checkpoint import load_full_state, load_megatron, save_megatron
+from loongforge.core.stacks.base import Select, TrainStack
+from loongforge.core.stacks.grads import all_reduce_mean, grad_sq_norm, param_groups
+from loongforge.core.train.pipeline import forward_backward
+from loongforge.core.train.precision import MasterWeights, PureLowPrecision
+
+
+class MegatronStack(TrainStack):
+    name = "megatron"
+
+    def __init__(self, ctx, acc, params_dtype: torch.dtype = torch.float32, master_weights: bool = True,
+                 activation_shape: tuple | None = None) -> None:
+        self.ctx = ctx
+        self.acc = acc
+        self.device = acc.device()
+        self.params_dtype = params_dtype
+        self.master_weights = master_weights
+        self.activation_shape = activation_shape
+        self.dp_size, self.dp_rank, self.dp_group = ctx.dp_size, ctx.dp_rank, ctx.dp_group
+        self.low: MasterWeights | PureLowPrecision | None = None
+        self._metric_names: list = []
+        self._trained: list = []
+        self._counted: list = []
+
+    def prepare(self, model):
+        if self.params_dtype != torch.float32 and self.master_weights:
+            self.low = MasterWeights(model, self.params_dtype)
+        return model
+
+    def fp32_view(self):
+        """The model with fp32 parameters (the masters) in its slots, for weight and checkpoint I/O."""
+        return self.low.fp32_view() if self.low is not None else contextlib.nullcontext()
+
+    def make_optimizer(self, model, build):
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        with self.fp32_view():
+            optimizer = build(param_groups(model.parameters()))
+        self._trained = [p for g in optimizer.param_groups for p in g["params"]]
+        # counted once in the global norm: not the second copy of a shared embedding, not a
+        # TP-replicated parameter on ranks other than TP rank 0
+        self._counted = [p for p in self._trained if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, self.ctx.tp_group)]
+        if self.params_dtype != torch.float32 and not self.master_weights:
+            self.low = PureLowPrecision(model, optimizer, self.params_dtype)
+        return optimizer
+
+    def forward_backward(self, model, microbatches, loss_fn, forward_only: bool = False):
+        # activations between pipeline stages travel in the parameters' dtype
+        return forward_backward(model, microbatches, loss_fn, self.ctx, self.activation_shape, self.params_dtype, self.device,
+                                self.acc.autocast, forward_only=forward_only, metric_names=self._metric_names)
+
+    def finalize_grads(self, model, optimizer) -> None:
+        ctx = self.ctx
+        if ctx.pp_size > 1 and ctx.embedding_group is not None:
+            for p in self._trained:
+                if getattr(p, "shared_embedding", False) and p.grad is not None:
+                    dist.all_reduce(p.grad, group=ctx.embedding_group)
+        if ctx.dp_size > 1:
+            all_reduce_mean([p.grad for p in self._trained if p.grad is not None], ctx.dp_group, ctx.dp_size)
+
+    def grad_sq_norm(self, model, optimizer) -> torch.Tensor:
+        sq = grad_sq_norm(self._counted, self.device)
+        if self.ctx.tp_size * self.ctx.pp_size > 1:
+            dist.all_reduce(sq, group=self.ctx.mp_group)
+        return sq
+
+    def after_step(self, model, optimizer) -> None:
+        if self.low is not None:
+            self.low.copy_to_model()  # (unchanged masters after a skipped step)
+
+    def save(self, directory: Path, model, optimizer=None, select: Select = None) -> None:
+        with self.fp32_view():
+            save_megatron(directory, model, optimizer, select)
+
+    def load(self, directory: Path, model, optimizer=None, optimizer_steps: int = 0, select: Select = None) -> None:
+        with self.fp32_view():
+            load_megatron(directory, model, optimizer, optimizer_steps=optimizer_steps, select=select)
+
+    def load_full_state_dict(self, model, state: dict, skip=None) -> None:
+        """A whole TP=1 LoongForge state dict (e.g. mapped from HF) into this rank's shards, at
+        any TP/PP layout, in process."""
+        with self.fp32_view():
+            load_full_state(model, state, skip)
+
+    def layout(self) -> dict:
+        return {"stack": self.name, **self.ctx.layout()}
