@@ -38,10 +38,10 @@ class TableAdamW(torch.optim.AdamW):
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 ps, gs, ms, vs, steps = lists.setdefault((p.dtype, p.grad.dtype, p.device), ([], [], [], [], []))
-                ps.append(p)
-                gs.append(p.grad)
-                ms.append(st["exp_avg"])
-                vs.append(st["exp_avg_sq"])
+                ps.append(_local(p))
+                gs.append(_local(p.grad))
+                ms.append(_local(st["exp_avg"]))
+                vs.append(_local(st["exp_avg_sq"]))
                 steps.append(st["step"])
             beta1, beta2 = group["betas"]
             for ps, gs, ms, vs, steps in lists.values():
@@ -49,3 +49,9 @@ class TableAdamW(torch.optim.AdamW):
                 self.update(ps, gs, ms, vs, steps, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                             eps=group["eps"], grad_scale=scale, found_inf=found_inf)
         return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters, gradients and AdamW state), which the
+    update writes in place; a plain tensor as it is. Kernels take plain tensors only."""
+    return t.to_local() if hasattr(t, "to_local") else t
