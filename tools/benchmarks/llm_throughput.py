@@ -21,9 +21,11 @@ guard; one fixed micro-batch per step, so no data loading):
 - `... + recompute`: full activation recompute (`train.recompute=true`), one layer at a time.
 - `loongforge trainer (reference ops)`: the same step with core's plain-torch op references.
 - `loongforge fp32 params + autocast`: fp32 parameters under bf16 autocast, GPU op table.
-- `loongforge torch stack (fsdp)` / `(fsdp, pure bf16)`: `parallel.stack=torch`: the HF
+- `loongforge torch stack (fsdp)` / `(fsdp) pure bf16`: `parallel.stack=torch`: the HF
   LlamaForCausalLM as-is under FSDP2 (`fully_shard` per block; masters: fp32 parameters, bf16
-  compute through FSDP's mixed-precision policy), the loss through our op table.
+  compute through FSDP's mixed-precision policy), the loss through our op table; `+ compile`:
+  `parallel.compile=true` (`torch.compile` of every decoder layer), the setting to compare with
+  `hf compile`.
 - `loongforge-llm train (CLI)` / `(CLI) pure bf16`: the real command, `python -m loongforge.llm.cli
   train llama_1p3b` with this shape in a subprocess (its data loader and logging included);
   2 x `--steps` steps logged every `--steps`: ms/step is the trainer's mean over the second
@@ -92,7 +94,8 @@ def timed(step, warmup: int, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def loongforge_trainer(mcfg, rows: int, seq: int, precision: str, kernels: bool, recompute: bool = False, stack: str = "megatron"):
+def loongforge_trainer(mcfg, rows: int, seq: int, precision: str, kernels: bool, recompute: bool = False, stack: str = "megatron",
+                       compile_: bool = False):
     """A set-up `Trainer` of the LLM task for micro-batches of `rows` x `seq` tokens, one per step.
     precision: "masters" (bf16 params, fp32 masters: the GPU default), "pure" (all bf16) or
     "fp32" (fp32 params under bf16 autocast). stack: "megatron" (our megatron-core model) or
@@ -109,10 +112,11 @@ def loongforge_trainer(mcfg, rows: int, seq: int, precision: str, kernels: bool,
     from loongforge.llm.pretrain import CausalLMTask, RunData
 
     acc = get_accelerator("cuda")
+    mcfg = registry().get("family", mcfg.family).resolve(mcfg)
     b, s = rows, seq
     train = TrainConfig(micro_batch_size=b, global_batch_size=b, train_iters=1 << 30, lr=1e-4, lr_warmup_iters=0, weight_decay=0.1,
                         params_dtype="float32" if precision == "fp32" else "bfloat16", master_weights=precision != "pure", recompute=recompute)
-    par = ParallelConfig(stack=stack, data_parallel_mode="fsdp")
+    par = ParallelConfig(stack=stack, data_parallel_mode="fsdp", compile=compile_)
     cfg = PretrainConfig(model=mcfg, parallel=par, train=train, checkpoint=CheckpointConfig(run_dir=tempfile.mkdtemp(), export_hf=False))
     cfg.data.seq_length = s
     params_dtype = {"fp32": torch.float32}.get(precision, torch.bfloat16)
@@ -127,10 +131,10 @@ def loongforge_trainer(mcfg, rows: int, seq: int, precision: str, kernels: bool,
     return trainer
 
 
-def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool = False, stack: str = "megatron"):
+def loongforge_step(mcfg, tokens, precision: str, kernels: bool, recompute: bool = False, stack: str = "megatron", compile_: bool = False):
     """`Trainer.train_step` itself on a fixed micro-batch: the trainer's loss normalization,
     gradient finalization, norm, LR update, clipped AdamW (op `adamw`) and NaN/Inf guard."""
-    trainer = loongforge_trainer(mcfg, tokens.shape[0], tokens.shape[1], precision, kernels, recompute, stack)
+    trainer = loongforge_trainer(mcfg, tokens.shape[0], tokens.shape[1], precision, kernels, recompute, stack, compile_)
     mb = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_weights": torch.ones(tokens.shape, device=tokens.device)}
 
     def step():
@@ -242,7 +246,9 @@ def main():
         "hf compile": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.hf_checkpointing),
         "hf compile fp32 params + autocast": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.hf_checkpointing, fp32_params=True),
         "loongforge torch stack (fsdp)": lambda: loongforge_step(mcfg, tokens, "masters", True, stack="torch"),
-        "loongforge torch stack (fsdp, pure bf16)": lambda: loongforge_step(mcfg, tokens, "pure", True, stack="torch"),
+        "loongforge torch stack (fsdp) pure bf16": lambda: loongforge_step(mcfg, tokens, "pure", True, stack="torch"),
+        "loongforge torch stack (fsdp) + compile": lambda: loongforge_step(mcfg, tokens, "masters", True, stack="torch", compile_=True),
+        "loongforge torch stack (fsdp) pure bf16 + compile": lambda: loongforge_step(mcfg, tokens, "pure", True, stack="torch", compile_=True),
         "megatron local spec": lambda: megatron_local_step(mcfg, tokens),
     }
     cli_setups = {"loongforge-llm train (CLI)": "masters", "loongforge-llm train (CLI) pure bf16": "pure"}

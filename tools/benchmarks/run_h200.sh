@@ -4,7 +4,7 @@
 #   tests   GPU tests (tests/llm/test_gpu.py, tests/kernels/test_kernels_gpu.py)
 #   kernels tools/benchmarks/kernels.py
 #   sft     tools/benchmarks/sft_throughput.py
-#   llm     tools/benchmarks/llm_throughput.py ($LLM_ARGS; $LLM_SETUPS: comma-separated setup names)
+#   llm     tools/benchmarks/llm_throughput.py ($LLM_ARGS; $LLM_SETUPS: comma-separated setup names; $LLM_TIMEOUT s, default 400)
 #   profile tools/benchmarks/profile_step.py ($PROFILE_ARGS)
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -32,6 +32,6 @@ for part in $PARTS; do
     kernels) timeout 500 python3 tools/benchmarks/kernels.py ${KERNEL_ARGS:-} --json "$OUT/kernels.json" 2>&1 | grep -v -i "warn" | tee "$OUT/kernels.log" ;;
     sft) timeout 240 python3 tools/benchmarks/sft_throughput.py --json "$OUT/sft_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/sft_throughput.log" ;;
     profile) timeout 200 python3 tools/benchmarks/profile_step.py ${PROFILE_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/profile_step.log" ;;
-    llm) timeout 400 python3 tools/benchmarks/llm_throughput.py ${LLM_ARGS:-} ${LLM_SETUPS:+--setups "$LLM_SETUPS"} --json "$OUT/llm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/llm_throughput.log" ;;
+    llm) timeout ${LLM_TIMEOUT:-400} python3 tools/benchmarks/llm_throughput.py ${LLM_ARGS:-} ${LLM_SETUPS:+--setups "$LLM_SETUPS"} --json "$OUT/llm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/llm_throughput.log" ;;
   esac
 done
