@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from loongforge.core.parallel import free_port
 
 
@@ -32,7 +31,15 @@ def make_hf_model(family: str, out: Path, seed: int = 0, **overrides):
     """A tiny random HF model saved with `save_pretrained`; returns the HF module (eval)."""
     import transformers
 
-    kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=176, vocab_size=512, max_position_embeddings=256)
+    kw = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=176,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
     kw.update(overrides)
     torch.manual_seed(seed)
     cfg = getattr(transformers, HF_CLASSES[family])(**kw)
@@ -48,12 +55,25 @@ def cli_env() -> dict:
     return env
 
 
-def run_cli(args: list[str], nproc: int = 1, cwd: Path | None = None, timeout: int = 600, module: str = "loongforge.llm.cli") -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], nproc: int = 1, cwd: Path | None = None, timeout: int = 600, module: str = "loongforge.llm.cli"
+) -> subprocess.CompletedProcess:
     """Run a CLI as a user would: `python -m ...` for one process, torchrun for several."""
     if nproc == 1:
         cmd = [sys.executable, "-m", module, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "-m", module, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            module,
+            *args,
+        ]
     return subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -98,6 +118,7 @@ def rows_file(tmp_path_factory) -> Path:
     f = tmp_path_factory.mktemp("sft_rows") / "rows.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in SFT_ROWS))
     return f
+
 
 def decoder_outputs(models: list, packed: bool = False) -> list:
     """Each model's (logits, {name: gradient of mean(logits^2)}) for the same 12 random tokens: two
@@ -196,8 +217,15 @@ def check_adamw_found_inf(update, device, dtype, large: int) -> None:
     for flag in (None, 0.0, 1.0):
         ps, gs, ms = ([t.clone() for t in ts] for ts in base)
         vs = [m * m for m in ms]
-        update(ps, gs, ms, vs, [torch.tensor(3.0, device=device) for _ in ps], **args,
-               found_inf=None if flag is None else torch.tensor(flag, device=device))
+        update(
+            ps,
+            gs,
+            ms,
+            vs,
+            [torch.tensor(3.0, device=device) for _ in ps],
+            **args,
+            found_inf=None if flag is None else torch.tensor(flag, device=device),
+        )
         runs[flag] = ps + ms + vs
     original = base[0] + base[2] + [m * m for m in base[2]]
     assert all(torch.equal(a, b) for a, b in zip(runs[1.0], original))

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from loongforge.core.checkpoint import CheckpointDir, find_checkpoint, verify_files
 from loongforge.core.errors import UserError
 

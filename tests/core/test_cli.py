@@ -22,10 +22,19 @@ def test_info_lists_packages_components_recipes_configs_and_devices():
     r = run_cli(["info"], module=CORE)
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
-    for needle in ("loongforge-core 0.1.0", "loongforge-llm 0.1.0", "loongforge-kernels 0.1.0", "family: llama, qwen2, qwen3",
-                   "recipe: llm.pretrain", "cpu: available", "device cpu:",
-                   "llm.pretrain: schema loongforge.llm.config.PretrainConfig; from loongforge-llm; default of llm configs",
-                   "llm.sft: schema loongforge.llm.config.SFTConfig; from loongforge-llm", "llm/tiny: ", "llm/sft: "):
+    for needle in (
+        "loongforge-core 0.1.0",
+        "loongforge-llm 0.1.0",
+        "loongforge-kernels 0.1.0",
+        "family: llama, qwen2, qwen3",
+        "recipe: llm.pretrain",
+        "cpu: available",
+        "device cpu:",
+        "llm.pretrain: schema loongforge.llm.config.PretrainConfig; from loongforge-llm; default of llm configs",
+        "llm.sft: schema loongforge.llm.config.SFTConfig; from loongforge-llm",
+        "llm/tiny: ",
+        "llm/sft: ",
+    ):
         assert needle in out, out
     tiny = next(ln for ln in out.splitlines() if ln.strip().startswith("llm/tiny: "))
     assert tiny.endswith("configs/tiny.yaml"), tiny
@@ -43,8 +52,11 @@ def test_help_shows_examples():
     for args in (["--help"], ["train", "--help"]):
         r = run_cli(args, module=CORE)
         assert r.returncode == 0, r.stderr
-        for example in ("loongforge train tiny", "loongforge train sft checkpoint.load=runs/tiny/hf",
-                        "torchrun --nproc-per-node 2 -m loongforge.core.cli train tiny parallel.tensor_model_parallel_size=2"):
+        for example in (
+            "loongforge train tiny",
+            "loongforge train sft checkpoint.load=runs/tiny/hf",
+            "torchrun --nproc-per-node 2 -m loongforge.core.cli train tiny parallel.tensor_model_parallel_size=2",
+        ):
             assert example in r.stdout, r.stdout
     r = run_cli(["info", "--bogus"], module=CORE)
     assert r.returncode == 2

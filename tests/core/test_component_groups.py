@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.distributed as dist
-
 from loongforge.core.config import ParallelConfig, load_config
 from loongforge.core.config.schema import ComponentParallelConfig
 from loongforge.core.errors import UserError
@@ -23,19 +22,26 @@ class Run:
 
 
 def _parallel(tp=1, pp=1, **components) -> ParallelConfig:
-    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                          components={k: ComponentParallelConfig(*v) for k, v in components.items()})
+    return ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        components={k: ComponentParallelConfig(*v) for k, v in components.items()},
+    )
 
 
 def test_yaml_component_overrides(tmp_path):
-    (tmp_path / "run.yaml").write_text("parallel:\n  tensor_model_parallel_size: 2\n"
-                                       "  components:\n    vision:\n      tensor_model_parallel_size: 1\n")
+    (tmp_path / "run.yaml").write_text(
+        "parallel:\n  tensor_model_parallel_size: 2\n  components:\n    vision:\n      tensor_model_parallel_size: 1\n"
+    )
     cfg = load_config(Run, tmp_path / "run.yaml", ["parallel.components.language.pipeline_model_parallel_size=1"])
     assert cfg.parallel.components == {"vision": ComponentParallelConfig(1, None), "language": ComponentParallelConfig(None, 1)}
     assert validate_components(cfg.parallel, 2, KNOWN) == {"vision": (1, 1), "language": (2, 1)}
     assert load_config(Run).parallel.components == {}
-    with pytest.raises(UserError, match=r"unknown config key 'parallel.components.vision.tensor_parallel_size'; "
-                                        r"did you mean 'parallel.components.vision.tensor_model_parallel_size'\?"):
+    with pytest.raises(
+        UserError,
+        match=r"unknown config key 'parallel.components.vision.tensor_parallel_size'; "
+        r"did you mean 'parallel.components.vision.tensor_model_parallel_size'\?",
+    ):
         load_config(Run, None, ["parallel.components.vision.tensor_parallel_size=1"])
     (tmp_path / "bad.yaml").write_text("parallel:\n  components:\n    vision:\n      pipeline_parallel: 1\n")
     with pytest.raises(UserError, match=r"unknown config key 'parallel.components.vision.pipeline_parallel'"):
@@ -49,18 +55,30 @@ def test_yaml_component_overrides(tmp_path):
 def test_validate_components_errors():
     assert validate_components(_parallel(tp=2), 4, KNOWN) == {"vision": (2, 1), "language": (2, 1)}
     assert validate_components(_parallel(tp=2, vision=(1, None)), 2, KNOWN) == {"vision": (1, 1), "language": (2, 1)}
-    with pytest.raises(UserError, match=r"^parallel.components.visoin: this model has no component 'visoin'; "
-                                        r"its components are vision, language$"):
+    with pytest.raises(
+        UserError,
+        match=r"^parallel.components.visoin: this model has no component 'visoin'; "
+        r"its components are vision, language$",
+    ):
         validate_components(_parallel(visoin=(1, None)), 2, KNOWN)
-    with pytest.raises(UserError, match=r"^parallel.components.vision.tensor_model_parallel_size=3 does not divide the world size 2; "
-                                        r"set parallel.components.vision.tensor_model_parallel_size to a divisor of 2$"):
+    with pytest.raises(
+        UserError,
+        match=r"^parallel.components.vision.tensor_model_parallel_size=3 does not divide the world size 2; "
+        r"set parallel.components.vision.tensor_model_parallel_size to a divisor of 2$",
+    ):
         validate_components(_parallel(vision=(3, None)), 2, KNOWN)
     # the global value counts for a component without an override, and the message says so
-    with pytest.raises(UserError, match=r"^parallel.tensor_model_parallel_size=4 does not divide the world size 2; "
-                                        r"set parallel.components.vision.tensor_model_parallel_size"):
+    with pytest.raises(
+        UserError,
+        match=r"^parallel.tensor_model_parallel_size=4 does not divide the world size 2; "
+        r"set parallel.components.vision.tensor_model_parallel_size",
+    ):
         validate_components(_parallel(tp=4), 2, KNOWN)
-    with pytest.raises(UserError, match=r"^parallel.components.language.pipeline_model_parallel_size=2: component 'language' would run "
-                                        r"pipeline parallelism, .*; set parallel.components.language.pipeline_model_parallel_size=1$"):
+    with pytest.raises(
+        UserError,
+        match=r"^parallel.components.language.pipeline_model_parallel_size=2: component 'language' would run "
+        r"pipeline parallelism, .*; set parallel.components.language.pipeline_model_parallel_size=1$",
+    ):
         validate_components(_parallel(language=(1, 2)), 2, KNOWN)
     with pytest.raises(UserError, match=r"^parallel.pipeline_model_parallel_size=2: component 'vision'"):
         validate_components(_parallel(pp=2), 2, KNOWN)
@@ -82,11 +100,10 @@ def _configs():
 def _encoder(ctx):
     """Patch projection (megatron ColumnParallelLinear) and a one-layer megatron TransformerBlock
     (attention, MLP, parallel linears), built with the context's groups."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-    from megatron.core.transformer.transformer_block import TransformerBlock
-
     from loongforge.core.foundation.spec import block_spec, transformer_config
     from loongforge.core.ops import OpTable
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.transformer_block import TransformerBlock
 
     cfg = _configs()[0]
     tc = transformer_config(cfg, ctx.tp_size, ctx.pp_size, torch.float32, recompute=False)
@@ -94,8 +111,9 @@ def _encoder(ctx):
     class Encoder(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.proj = ColumnParallelLinear(PATCH, cfg.hidden_size, config=tc, init_method=tc.init_method, bias=False, gather_output=True,
-                                             tp_group=ctx.tp_group)
+            self.proj = ColumnParallelLinear(
+                PATCH, cfg.hidden_size, config=tc, init_method=tc.init_method, bias=False, gather_output=True, tp_group=ctx.tp_group
+            )
             self.block = TransformerBlock(tc, block_spec(cfg, OpTable(), cfg.num_layers, ctx.tp_group), pg_collection=ctx.pg_collection())
 
         def forward(self, patches):  # [image tokens, batch, PATCH] -> [image tokens, batch, hidden]
@@ -137,7 +155,7 @@ def _train(ctxs) -> dict:
     images = torch.randn(IMAGE_TOKENS, BATCH, PATCH, generator=gen)
     tokens = torch.randint(0, 256, (BATCH, TEXT + 1), generator=gen)
     share = BATCH // vision.dp_size
-    mine = images[:, vision.dp_rank * share:(vision.dp_rank + 1) * share]
+    mine = images[:, vision.dp_rank * share : (vision.dp_rank + 1) * share]
     # the decoder reads [image tokens, text]; the loss is the mean over the text's next tokens
     labels = torch.cat([torch.zeros(BATCH, IMAGE_TOKENS, dtype=tokens.dtype), tokens[:, 1:]], 1)
     weights = torch.cat([torch.zeros(BATCH, IMAGE_TOKENS), torch.full((BATCH, TEXT), 1.0 / (BATCH * TEXT))], 1)
@@ -172,22 +190,24 @@ def _ranks(group):
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(LOONGFORGE_DEVICE="cpu", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        LOONGFORGE_DEVICE="cpu", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
-    from megatron.core import parallel_state as ps
-
     from loongforge.core.accelerator import get_accelerator
     from loongforge.core.parallel import init_parallel
     from loongforge.core.parallel.context import component_contexts
+    from megatron.core import parallel_state as ps
 
     acc = get_accelerator()
     default = init_parallel(2, 1, acc.backend, acc.device_type)  # megatron's globals: the model's TP=2
     ctxs = component_contexts({"vision": (1, 1), "language": (2, 1), "stages": (1, 2)})
     out = _train(ctxs)
     out["layouts"] = {name: c.layout() for name, c in ctxs.items()}
-    out["groups"] = {name: {k: _ranks(getattr(c, f"{k}_group")) for k in ("tp", "pp", "dp", "mp", "cp", "embedding", "pos_embedding")}
-                     for name, c in ctxs.items()}
+    out["groups"] = {
+        name: {k: _ranks(getattr(c, f"{k}_group")) for k in ("tp", "pp", "dp", "mp", "cp", "embedding", "pos_embedding")}
+        for name, c in ctxs.items()
+    }
     out["megatron_tp"] = _ranks(ps.get_tensor_model_parallel_group())
     out["default_uses_megatron_tp"] = default.pg_collection().tp is ps.get_tensor_model_parallel_group()
     out["pg_tp_is_own"] = ctxs["vision"].pg_collection().tp is ctxs["vision"].tp_group
@@ -228,8 +248,15 @@ def test_two_components_on_two_ranks_match_single_process(tmp_path):
         assert g["vision"] == {"tp": [r], "pp": [r], "dp": [0, 1], "mp": [r], "cp": [r], "embedding": None, "pos_embedding": None}
         assert g["language"] == {"tp": [0, 1], "pp": [r], "dp": [r], "mp": [0, 1], "cp": [r], "embedding": None, "pos_embedding": None}
         assert g["language"]["tp"] == run["megatron_tp"]  # megatron's rank order
-        assert g["stages"] == {"tp": [r], "pp": [0, 1], "dp": [r], "mp": [0, 1], "cp": [r], "embedding": [0, 1],
-                               "pos_embedding": [0] if r == 0 else None}
+        assert g["stages"] == {
+            "tp": [r],
+            "pp": [0, 1],
+            "dp": [r],
+            "mp": [0, 1],
+            "cp": [r],
+            "embedding": [0, 1],
+            "pos_embedding": [0] if r == 0 else None,
+        }
         assert run["default_uses_megatron_tp"] and run["pg_tp_is_own"]
         assert all(torch.equal(run["encoder_init"][n], w) for n, w in ref["encoder_init"].items())
         assert _close(run["grad"], ref["grad"]), r

@@ -3,7 +3,6 @@
 from dataclasses import dataclass, field
 
 import pytest
-
 from loongforge.core.config import CheckpointConfig, TrainConfig, load_config
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.spec import ModelConfig
@@ -21,7 +20,9 @@ class Run:
 def test_yaml_defaults_and_overrides(tmp_path):
     (tmp_path / "base.yaml").write_text("model:\n  num_layers: 3\n  hidden_size: 96\ntrain:\n  lr: 1.0e-3\n")
     (tmp_path / "run.yaml").write_text("defaults: [base.yaml]\nmodel:\n  hidden_size: 128\n")
-    cfg = load_config(Run, tmp_path / "run.yaml", ["train.lr=5e-4", "model.rope_scaling={rope_type: llama3, factor: 8}", "ops.rms_norm=reference"])
+    cfg = load_config(
+        Run, tmp_path / "run.yaml", ["train.lr=5e-4", "model.rope_scaling={rope_type: llama3, factor: 8}", "ops.rms_norm=reference"]
+    )
     assert cfg.model.num_layers == 3 and cfg.model.hidden_size == 128
     assert cfg.train.lr == 5e-4
     assert cfg.model.rope_scaling == {"rope_type": "llama3", "factor": 8}

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.families import LLAMA, QWEN2, QWEN3
 from loongforge.core.foundation.hf_io import hf_config_dict, read_hf_config
@@ -24,7 +23,11 @@ class ExpertConfig:
 
 
 TABLE = (
-    Row("layers.{i}.experts.{e}.fc.weight", ("model.layers.{i}.mlp.experts.{e}.up.weight", "model.layers.{i}.mlp.experts.{e}.gate.weight"), "concat"),
+    Row(
+        "layers.{i}.experts.{e}.fc.weight",
+        ("model.layers.{i}.mlp.experts.{e}.up.weight", "model.layers.{i}.mlp.experts.{e}.gate.weight"),
+        "concat",
+    ),
     Row("layers.{i}.norm.weight", ("model.layers.{i}.norm.weight",)),
 )
 

@@ -4,11 +4,10 @@ import math
 
 import pytest
 import torch
-
 from conftest import decoder_outputs
-
 from loongforge.core.errors import UserError
-from loongforge.core.ops import OpTable, reference as ref
+from loongforge.core.ops import OpTable
+from loongforge.core.ops import reference as ref
 
 
 def test_rms_norm_matches_hf_llama():
@@ -23,8 +22,14 @@ def test_rms_norm_matches_hf_llama():
     torch.testing.assert_close(ref.rms_norm(xb, hf.weight.bfloat16(), 1e-6), hf.bfloat16()(xb))
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},
-                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ],
+)
 def test_rope_inv_freq_matches_hf(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -156,7 +161,9 @@ def test_fused_residual_layer_equals_megatron_layer(packed):
     from loongforge.core.parallel import init_parallel
 
     ctx = init_parallel(1, 1, "gloo", "cpu")
-    cfg = LLAMA.resolve(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, vocab_size=128))
+    cfg = LLAMA.resolve(
+        ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, vocab_size=128)
+    )
     torch.manual_seed(0)
     fused = build_gpt_model(cfg, ctx, OpTable())
     plain = build_gpt_model(cfg, ctx, OpTable())
@@ -181,7 +188,10 @@ def test_op_table_picks_the_fastest_implementation_for_the_device():
     cpu = OpTable.build(None, registry(), "cpu")
     assert cpu.impls == OpTable().impls
     cuda = OpTable.build(None, registry(), "cuda")
-    assert cuda.rms_norm.__module__ == "loongforge.kernels.rms_norm" and cuda.varlen_attention.__module__ == "loongforge.kernels.varlen_attention"
+    assert (
+        cuda.rms_norm.__module__ == "loongforge.kernels.rms_norm"
+        and cuda.varlen_attention.__module__ == "loongforge.kernels.varlen_attention"
+    )
     assert OpTable.build({"rms_norm": "reference"}, registry(), "cuda").rms_norm is ref.rms_norm
     with pytest.raises(UserError, match="runs on cuda, not cpu"):
         OpTable.build({"rms_norm": "triton"}, registry(), "cpu")

@@ -4,9 +4,8 @@ unfused AdamW); its state is torch AdamW's, so checkpoints move between the two.
 
 import pytest
 import torch
-
-from loongforge.core.train.optimizer import TableAdamW
 from loongforge.core.stacks.grads import grad_sq_norm
+from loongforge.core.train.optimizer import TableAdamW
 from loongforge.core.train.trainer import clipped_step
 
 

@@ -2,14 +2,22 @@
 
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = sorted((ROOT / "packages").iterdir())
-EXPECTED = {"loongforge-core", "loongforge-llm", "loongforge-vlm", "loongforge-diffusion", "loongforge-embodied", "loongforge-xpu", "loongforge-kernels"}
+EXPECTED = {
+    "loongforge-core",
+    "loongforge-llm",
+    "loongforge-vlm",
+    "loongforge-diffusion",
+    "loongforge-embodied",
+    "loongforge-xpu",
+    "loongforge-kernels",
+}
 
 
 def _deps(pkg: Path) -> list[str]:
@@ -57,7 +65,11 @@ def test_core_requirements():
 
 def test_every_package_builds_a_wheel(tmp_path):
     for pkg in PACKAGES:
-        r = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(pkg)], capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(pkg)],
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
     wheels = {w.name.split("-")[0]: w for w in tmp_path.glob("*.whl")}
     assert len(wheels) == 7
@@ -71,7 +83,9 @@ def test_every_package_builds_a_wheel(tmp_path):
     assert "loongforge/core/data/text/assets/tiny_tokenizer/tokenizer_config.json" in core_names
     assert "loongforge/core/data/text/assets/tiny_sft.jsonl" in core_names
     assert not any(n == "loongforge/__init__.py" for n in core_names)
-    entry = zipfile.ZipFile(wheels["loongforge_core"]).read(
-        next(n for n in zipfile.ZipFile(wheels["loongforge_core"]).namelist() if n.endswith("entry_points.txt"))
-    ).decode()
+    entry = (
+        zipfile.ZipFile(wheels["loongforge_core"])
+        .read(next(n for n in zipfile.ZipFile(wheels["loongforge_core"]).namelist() if n.endswith("entry_points.txt")))
+        .decode()
+    )
     assert "loongforge = loongforge.core.cli:main" in entry

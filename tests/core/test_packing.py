@@ -4,7 +4,6 @@ import random
 
 import pytest
 import torch
-
 from loongforge.core.data import best_fit_decreasing, pack_samples, packing_efficiency
 from loongforge.core.errors import UserError
 from loongforge.core.ops import reference as ref
@@ -79,7 +78,7 @@ def test_packed_losses_and_grads_equal_one_by_one(family):
         loss = model(p.tokens, None, None, labels=p.labels, packed_seq_params=p.packed_seq_params())[0]
         bounds = p.cu_seqlens.tolist()
         for j, i in enumerate(p.samples):
-            torch.testing.assert_close(loss[bounds[j]:bounds[j + 1]].detach(), single[i], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(loss[bounds[j] : bounds[j + 1]].detach(), single[i], rtol=1e-5, atol=1e-6)
         (loss * p.loss_mask[0]).sum().backward()
     for n, p_ in model.named_parameters():
         torch.testing.assert_close(p_.grad, want[n], rtol=1e-5, atol=1e-6, msg=n)

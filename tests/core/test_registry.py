@@ -6,9 +6,7 @@ import sys
 from dataclasses import dataclass, field
 
 import pytest
-
 from conftest import cli_env
-
 from loongforge.core.config import CheckpointConfig
 from loongforge.core.errors import UserError
 from loongforge.core.recipes import Recipe, find_config, find_recipe, lazy, resolve
@@ -21,8 +19,9 @@ def _fresh(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return r
 
 
-@pytest.mark.parametrize("module", ["loongforge.core.registry", "loongforge.core.accelerator", "loongforge.core.plugin",
-                                    "loongforge.core.recipes"])
+@pytest.mark.parametrize(
+    "module", ["loongforge.core.registry", "loongforge.core.accelerator", "loongforge.core.plugin", "loongforge.core.recipes"]
+)
 def test_each_module_imports_first_in_a_fresh_interpreter(module):
     _fresh(f"import {module}")
 

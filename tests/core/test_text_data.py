@@ -2,7 +2,6 @@
 assistant masks, bad rows."""
 
 import pytest
-
 from loongforge.core.data.text import BUILTIN_TEMPLATES, BadSample, SFTTokenizer, load_tokenizer, to_messages
 from loongforge.core.errors import UserError
 
@@ -17,26 +16,42 @@ def _trained_text(tok, sample):
 
 
 def test_formats_to_messages():
-    a = to_messages({"instruction": "add", "input": "one and two", "output": "three", "system": "be brief", "history": [["hi", "hello"]]}, "alpaca")
+    a = to_messages(
+        {"instruction": "add", "input": "one and two", "output": "three", "system": "be brief", "history": [["hi", "hello"]]}, "alpaca"
+    )
     assert [m["role"] for m in a] == ["system", "user", "assistant", "user", "assistant"]
     assert a[3]["content"] == "add\none and two"
     s = to_messages({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, "sharegpt")
     assert s == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    s2 = to_messages({"chat": [{"speaker": "user", "text": "q"}, {"speaker": "assistant", "text": "a"}]}, "sharegpt",
-                     {"messages": "chat", "role": "speaker", "content": "text"})
+    s2 = to_messages(
+        {"chat": [{"speaker": "user", "text": "q"}, {"speaker": "assistant", "text": "a"}]},
+        "sharegpt",
+        {"messages": "chat", "role": "speaker", "content": "text"},
+    )
     assert s2[1]["content"] == "a"
-    o = to_messages({"messages": [{"role": "user", "content": "weather?"},
-                                  {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}]},
-                                  {"role": "tool", "content": "sunny", "tool_call_id": "1"}, {"role": "assistant", "content": "sunny"}]}, "openai")
+    o = to_messages(
+        {
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "1"},
+                {"role": "assistant", "content": "sunny"},
+            ]
+        },
+        "openai",
+    )
     assert o[1]["tool_calls"] and o[2]["role"] == "tool"
 
 
-@pytest.mark.parametrize("row,fmt,reason", [
-    ({"instruction": "x"}, "alpaca", "missing_field"),
-    ({"conversations": [{"from": "robot", "value": "x"}]}, "sharegpt", "unknown_role"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}, "openai", "empty_assistant_turn"),
-    ({"messages": [{"role": "user", "content": "q"}]}, "openai", "no_assistant_turn"),
-])
+@pytest.mark.parametrize(
+    "row,fmt,reason",
+    [
+        ({"instruction": "x"}, "alpaca", "missing_field"),
+        ({"conversations": [{"from": "robot", "value": "x"}]}, "sharegpt", "unknown_role"),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}, "openai", "empty_assistant_turn"),
+        ({"messages": [{"role": "user", "content": "q"}]}, "openai", "no_assistant_turn"),
+    ],
+)
 def test_bad_rows_have_reasons(row, fmt, reason):
     with pytest.raises(BadSample) as e:
         to_messages(row, fmt)
@@ -46,8 +61,13 @@ def test_bad_rows_have_reasons(row, fmt, reason):
 @pytest.mark.parametrize("name", sorted(BUILTIN_TEMPLATES))
 def test_loss_only_on_assistant_tokens(tok, name):
     st = SFTTokenizer(tok, template=name)
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one plus two"}, {"role": "assistant", "content": "is three."},
-            {"role": "user", "content": "and two plus two"}, {"role": "assistant", "content": "is four."}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "one plus two"},
+        {"role": "assistant", "content": "is three."},
+        {"role": "user", "content": "and two plus two"},
+        {"role": "assistant", "content": "is four."},
+    ]
     s = st(msgs)
     assert len(s["input_ids"]) == len(s["labels"])
     text = _trained_text(tok, s)
@@ -60,7 +80,12 @@ def test_loss_only_on_assistant_tokens(tok, name):
 
 
 def test_tokenize_rows_counts_and_policies(tok):
-    rows = [{"instruction": "a", "output": "b"}, {"instruction": "a"}, {"instruction": "a" * 3000, "output": "b"}, {"instruction": "c", "output": "d"}]
+    rows = [
+        {"instruction": "a", "output": "b"},
+        {"instruction": "a"},
+        {"instruction": "a" * 3000, "output": "b"},
+        {"instruction": "c", "output": "d"},
+    ]
     st = SFTTokenizer(tok, template="qwen2", max_length=256)
     kept = list(st.tokenize_rows(rows, "alpaca"))
     assert len(kept) == 2 and st.stats == {"kept": 2, "missing_field": 1, "over_long": 1}
@@ -77,30 +102,36 @@ def test_template_errors(tok):
         SFTTokenizer(tok, template="chatml2")
 
 
-TOOL_ROW = {"messages": [
-    {"role": "system", "content": "be brief"},
-    {"role": "user", "content": "weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-    {"role": "tool", "tool_call_id": "1", "content": "sunny"},
-    {"role": "tool", "tool_call_id": "2", "content": "warm"},
-    {"role": "assistant", "content": "It is sunny."},
-]}
+TOOL_ROW = {
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        },
+        {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "2", "content": "warm"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+}
 # The published chat formats of Qwen2.5 (tool calls in <tool_call>, results grouped in one user
 # turn) and Llama 3.1 (JSON call with "parameters", results as ipython), written out by hand.
 EXPECTED = {
     "qwen2": (
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n"
-        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwarm\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\nIt is sunny.<|im_end|>\n",
-        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>It is sunny.<|im_end|>",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>It is sunny.<|im_end|>',
     ),
     "llama3": (
         "<|endoftext|><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
         "weather in Paris?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-        "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|>"
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|>'
         "<|start_header_id|>ipython<|end_header_id|>\n\nwarm<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nIt is sunny.<|eot_id|>",
-        "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}<|eot_id|>It is sunny.<|eot_id|>",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>It is sunny.<|eot_id|>',
     ),
 }
 
@@ -115,7 +146,12 @@ def test_builtin_templates_render_tool_calls_exactly(tok, name):
 
 
 def test_bad_tool_calls_are_counted(tok):
-    bad = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]}
+    bad = {
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+        ]
+    }
     st = SFTTokenizer(tok, template="qwen2")
     assert list(st.tokenize_rows([bad, TOOL_ROW], "openai")) and st.stats == {"bad_tool_call": 1, "kept": 1}
 

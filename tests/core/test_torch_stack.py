@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from loongforge.core.checkpoint.dcp_io import read_model_state
 from loongforge.core.config.schema import ParallelConfig
 from loongforge.core.errors import UserError
@@ -28,8 +27,9 @@ from loongforge.core.parallel import free_port
 from loongforge.core.stacks.torch_native import TorchNativeStack
 from loongforge.core.train.optimizer import TableAdamW
 
-CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176, vocab_size=128,
-                  max_position_embeddings=64)
+CFG = ModelConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176, vocab_size=128, max_position_embeddings=64
+)
 ROWS, SEQ, STEPS, LR, CLIP = 4, 16, 4, 1e-2, 1.0
 # (mode, data_parallel_replicas, micro-batches per rank) of the 2-process runs
 MODES = {"ddp": ("ddp", 1, 1), "zero1": ("zero1", 1, 2), "fsdp": ("fsdp", 1, 2), "hsdp_2x1": ("hsdp", 2, 1), "hsdp_1x2": ("hsdp", 1, 2)}
@@ -49,7 +49,7 @@ def other_model():
 def microbatches(rank: int, world: int, n: int) -> list[dict]:
     """This rank's share of the one global batch (contiguous rows), in `n` micro-batches."""
     seq = torch.randint(0, CFG.vocab_size, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    rows = seq[rank * ROWS // world:(rank + 1) * ROWS // world]
+    rows = seq[rank * ROWS // world : (rank + 1) * ROWS // world]
     return [{"tokens": r[:, :-1], "labels": r[:, 1:]} for r in rows.chunk(n)]
 
 
@@ -63,8 +63,9 @@ class Run:
     the per-rank sums, divided by the global weight / dp size and clipped via `grad_scale`."""
 
     def __init__(self, mode: str, replicas: int = 1, n_mb: int = 1, **stack_kw) -> None:
-        self.stack = TorchNativeStack(ParallelConfig(stack="torch", data_parallel_mode=mode, data_parallel_replicas=replicas),
-                                      torch.device("cpu"), **stack_kw)
+        self.stack = TorchNativeStack(
+            ParallelConfig(stack="torch", data_parallel_mode=mode, data_parallel_replicas=replicas), torch.device("cpu"), **stack_kw
+        )
         self.model = self.stack.prepare(make_model())
         self.opt = self.stack.make_optimizer(self.model, lambda groups: TableAdamW(groups, lr=LR, weight_decay=0.1, betas=(0.9, 0.95)))
         self.mbs = microbatches(self.stack.dp_rank, self.stack.dp_size, n_mb)
@@ -260,7 +261,6 @@ def test_select_limits_checkpoint(pg, tmp_path):
 
 def test_hf_model_loss_and_state_round_trip(tmp_path):
     import transformers
-
     from loongforge.core.foundation.hf_io import load_hf_state, save_hf
 
     model = make_model()

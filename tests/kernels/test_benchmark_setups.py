@@ -14,15 +14,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "benchmarks"))
 import kernels as bench  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="Triton kernels need TRITON_INTERPRET=1 on a CPU")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="Triton kernels need TRITON_INTERPRET=1 on a CPU"
+)
 
 
 @pytest.mark.parametrize("case", ["rope", "moe_top2", "moe_top4"])
 def test_benchmark_setups_agree(case):
-    make = {"rope": lambda: bench.rope_setups(2, 7, 4, 2, 16, "cpu"),
-            "moe_top2": lambda: bench.moe_setups(13, 24, 8, 2, "cpu"),
-            "moe_top4": lambda: bench.moe_setups(17, 40, 16, 4, "cpu")}[case]
+    make = {
+        "rope": lambda: bench.rope_setups(2, 7, 4, 2, 16, "cpu"),
+        "moe_top2": lambda: bench.moe_setups(13, 24, 8, 2, "cpu"),
+        "moe_top4": lambda: bench.moe_setups(17, 40, 16, 4, "cpu"),
+    }[case]
     inputs, grads, setups = make()[:3]
     errors = bench.agreement(setups, inputs, grads, 2e-2)
     assert "loongforge" in errors and (case == "rope" or "megatron-core moe_utils" in errors), errors

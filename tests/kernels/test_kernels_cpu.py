@@ -5,13 +5,12 @@ import os
 
 import pytest
 import torch
-
 from conftest import check_adamw_found_inf, decoder_outputs
-
 from loongforge.core.ops import reference as ref
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="Triton kernels need TRITON_INTERPRET=1 on a CPU")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="Triton kernels need TRITON_INTERPRET=1 on a CPU"
+)
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -48,8 +47,12 @@ def test_add_rms_norm():
 
     torch.manual_seed(0)
     x, r, w = torch.randn(6, 50), torch.randn(6, 50), torch.randn(50)
-    _compare(lambda a, b, c: add_rms_norm(a, b, c, 1e-5), lambda a, b, c: ref.add_rms_norm(a, b, c, 1e-5), [x, r, w],
-             (torch.randn(6, 50), torch.randn(6, 50)))
+    _compare(
+        lambda a, b, c: add_rms_norm(a, b, c, 1e-5),
+        lambda a, b, c: ref.add_rms_norm(a, b, c, 1e-5),
+        [x, r, w],
+        (torch.randn(6, 50), torch.randn(6, 50)),
+    )
 
 
 def test_rms_norm_non_contiguous_input():
@@ -80,16 +83,25 @@ def test_rope(interleaved, rot, d):
     for hq, hk in ((3, 1), (4, 4), (2, 5), (18, 3)):  # GQA, MHA, more k heads than q heads, two head blocks
         q = torch.randn(s, b, hq, d).transpose(0, 1)  # [b, s, h, d] strided like the model's q/k
         k = torch.randn(b, s, hk, d)
-        inv = ref.rope_inv_freq(rot, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                              "original_max_position_embeddings": 4})
+        inv = ref.rope_inv_freq(
+            rot,
+            10000.0,
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 4},
+        )
         for pos in (torch.arange(s), torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 6]])):
-            _compare(lambda a, c: rope(a, c, pos, inv, interleaved), lambda a, c: ref.rope(a, c, pos, inv, interleaved), [q, k],
-                     (torch.randn(b, s, hq, d), torch.randn(b, s, hk, d)))
+            _compare(
+                lambda a, c: rope(a, c, pos, inv, interleaved),
+                lambda a, c: ref.rope(a, c, pos, inv, interleaved),
+                [q, k],
+                (torch.randn(b, s, hq, d), torch.randn(b, s, hk, d)),
+            )
 
 
 @pytest.mark.parametrize("grad_layout", ["sbhd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("groups,r,rot,d,packed", [(3, 1, 16, 16, False), (2, 3, 8, 24, False), (2, 2, 16, 16, True), (5, 2, 16, 16, False)])
+@pytest.mark.parametrize(
+    "groups,r,rot,d,packed", [(3, 1, 16, 16, False), (2, 3, 8, 24, False), (2, 2, 16, 16, True), (5, 2, 16, 16, False)]
+)
 def test_qkv_rope(grad_layout, interleaved, groups, r, rot, d, packed):
     """Split + rotation of megatron's fused projection (MHA, GQA with partial rotary, packed
     positions that restart per sample) against the reference: values, and the projection's
@@ -102,8 +114,9 @@ def test_qkv_rope(grad_layout, interleaved, groups, r, rot, d, packed):
     mixed = torch.randn(s, b, groups, (r + 2) * d)
     pos = torch.tensor([0, 1, 2, 0, 1, 2, 3]) if packed else torch.arange(s)
     inv = ref.rope_inv_freq(rot, 10000.0)
-    grads = tuple(torch.randn(s, b, n, d) if grad_layout == "sbhd" else torch.randn(b, s, n, d).transpose(0, 1)
-                  for n in (groups * r, groups, groups))
+    grads = tuple(
+        torch.randn(s, b, n, d) if grad_layout == "sbhd" else torch.randn(b, s, n, d).transpose(0, 1) for n in (groups * r, groups, groups)
+    )
     _compare(lambda m: kernel.qkv_rope(m, pos, inv, r, interleaved), lambda m: ref.qkv_rope(m, pos, inv, r, interleaved), [mixed], grads)
 
 
@@ -113,9 +126,9 @@ def test_qkv_rope_reference_matches_megatron_split():
     s, b, g, r, d = 3, 2, 2, 2, 4
     mixed = torch.randn(s, b, g, (r + 2) * d)
     q, k, v = ref.qkv_rope(mixed, torch.zeros(s, dtype=torch.long), ref.rope_inv_freq(d, 10000.0), r)  # position 0: no rotation
-    torch.testing.assert_close(q[:, :, 3], mixed[:, :, 1, d:2 * d])  # second q head of group 1
-    torch.testing.assert_close(k[:, :, 1], mixed[:, :, 1, r * d:(r + 1) * d])
-    torch.testing.assert_close(v[:, :, 0], mixed[:, :, 0, (r + 1) * d:])
+    torch.testing.assert_close(q[:, :, 3], mixed[:, :, 1, d : 2 * d])  # second q head of group 1
+    torch.testing.assert_close(k[:, :, 1], mixed[:, :, 1, r * d : (r + 1) * d])
+    torch.testing.assert_close(v[:, :, 0], mixed[:, :, 0, (r + 1) * d :])
 
 
 def test_rope_interleaved_reference_pairs_adjacent_channels():
@@ -139,8 +152,12 @@ def test_linear_cross_entropy(smoothing, monkeypatch):
     labels[[2, 7]] = -100
     tw = torch.rand(n)
     for go in (torch.tensor(1.0), torch.tensor(0.37)):
-        _compare(lambda a, b: lce.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing),
-                 lambda a, b: ref.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing), [hid, w], go)
+        _compare(
+            lambda a, b: lce.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing),
+            lambda a, b: ref.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing),
+            [hid, w],
+            go,
+        )
 
 
 def test_linear_cross_entropy_second_backward_is_refused():
@@ -177,6 +194,7 @@ def test_moe_permute_unpermute(h, k, e):
         def f(t, p):
             perm, r, _ = kernel_p(t, experts, e)
             return kernel_u(perm * 2.0, r, p)
+
         return f
 
     _compare(roundtrip(moe_permute, moe_unpermute), roundtrip(ref.moe_permute, ref.moe_unpermute), [tokens, probs], torch.randn(n, h))
@@ -198,7 +216,9 @@ def test_model_with_fused_qkv_rope_matches_megatron_split(packed):
     from loongforge.kernels.qkv_rope import qkv_rope
 
     ctx = init_parallel(1, 1, "gloo", "cpu")
-    cfg = LLAMA.resolve(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, vocab_size=128))
+    cfg = LLAMA.resolve(
+        ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, vocab_size=128)
+    )
     torch.manual_seed(0)
     fused = build_gpt_model(cfg, ctx, OpTable({**OpTable().impls, "qkv_rope": qkv_rope}))
     split = build_gpt_model(cfg, ctx, OpTable())
@@ -222,7 +242,9 @@ def test_model_with_fused_add_rms_norm_matches_megatron_layer():
     from loongforge.kernels.rms_norm import add_rms_norm
 
     ctx = init_parallel(1, 1, "gloo", "cpu")
-    cfg = LLAMA.resolve(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, vocab_size=128))
+    cfg = LLAMA.resolve(
+        ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, vocab_size=128)
+    )
     torch.manual_seed(0)
     fused = build_gpt_model(cfg, ctx, OpTable({**OpTable().impls, "add_rms_norm": add_rms_norm}))
     plain = build_gpt_model(cfg, ctx, OpTable())
@@ -263,8 +285,18 @@ def test_adamw_without_grad_scale():
     states[1][0].copy_(states[0][0])
     grads = [torch.randn(kernel.MIN_NUMEL + 3)]
     for fn, ps in zip((kernel.adamw, ref.adamw), states):
-        fn(ps, [grads[0].clone()], [torch.zeros_like(ps[0])], [torch.zeros_like(ps[0])], [torch.ones(())], lr=1e-2, beta1=0.9,
-           beta2=0.999, weight_decay=0.1, eps=1e-8)
+        fn(
+            ps,
+            [grads[0].clone()],
+            [torch.zeros_like(ps[0])],
+            [torch.zeros_like(ps[0])],
+            [torch.ones(())],
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.1,
+            eps=1e-8,
+        )
     torch.testing.assert_close(states[0][0], states[1][0], rtol=1e-6, atol=1e-7)
 
 

@@ -5,9 +5,7 @@ kernel is as accurate as torch itself at that precision. NaN never passes."""
 
 import pytest
 import torch
-
 from conftest import check_adamw_found_inf
-
 from loongforge.core.ops import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -31,8 +29,11 @@ def _err(a, b):
 def check(kernel, reference, inputs, grad_out):
     got = _run(kernel, inputs, grad_out)
     low = _run(reference, inputs, grad_out)
-    exact = _run(reference, [t.double() if t.is_floating_point() else t for t in inputs],
-                 tuple(g.double() for g in (grad_out if isinstance(grad_out, tuple) else (grad_out,))))
+    exact = _run(
+        reference,
+        [t.double() if t.is_floating_point() else t for t in inputs],
+        tuple(g.double() for g in (grad_out if isinstance(grad_out, tuple) else (grad_out,))),
+    )
     for k, (g, lo, ex) in enumerate(zip(got, low, exact)):
         assert g.shape == lo.shape and g.dtype == lo.dtype, (k, g.shape, lo.shape, g.dtype, lo.dtype)
         assert _err(g, ex) <= 2 * _err(lo, ex) + 1e-6, (k, _err(g, ex), _err(lo, ex))
@@ -49,8 +50,12 @@ def test_rms_norm_gpu(dtype, rows, hidden):
     xt = torch.randn(hidden, rows, device="cuda", dtype=dtype).T  # non-contiguous rows
     check(lambda a, b: rms_norm(a, b, 1e-6), lambda a, b: ref.rms_norm(a, b, 1e-6), [xt, w], torch.randn(rows, hidden, device="cuda"))
     r = torch.randn(rows, hidden, device="cuda", dtype=dtype)
-    check(lambda a, b, c: add_rms_norm(a, b, c, 1e-6), lambda a, b, c: ref.add_rms_norm(a, b, c, 1e-6), [x, r, w],
-          (torch.randn(rows, hidden, device="cuda"), torch.randn(rows, hidden, device="cuda")))
+    check(
+        lambda a, b, c: add_rms_norm(a, b, c, 1e-6),
+        lambda a, b, c: ref.add_rms_norm(a, b, c, 1e-6),
+        [x, r, w],
+        (torch.randn(rows, hidden, device="cuda"), torch.randn(rows, hidden, device="cuda")),
+    )
 
 
 def test_rms_norm_fp32_weight_bf16_activations_gpu():
@@ -78,11 +83,18 @@ def test_rope_gpu(dtype, interleaved, b, s, hq, hk, d, rot):
 
     q = torch.randn(s, b, hq, d, device="cuda", dtype=dtype).transpose(0, 1)
     k = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
-    inv = ref.rope_inv_freq(rot, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 1024}).cuda()
+    inv = ref.rope_inv_freq(
+        rot,
+        500000.0,
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
+    ).cuda()
     pos = torch.arange(s, device="cuda")
-    check(lambda a, c: rope(a, c, pos, inv, interleaved), lambda a, c: ref.rope(a, c, pos, inv, interleaved), [q, k],
-          (torch.randn(b, s, hq, d, device="cuda"), torch.randn(b, s, hk, d, device="cuda")))
+    check(
+        lambda a, c: rope(a, c, pos, inv, interleaved),
+        lambda a, c: ref.rope(a, c, pos, inv, interleaved),
+        [q, k],
+        (torch.randn(b, s, hq, d, device="cuda"), torch.randn(b, s, hk, d, device="cuda")),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -94,8 +106,10 @@ def test_qkv_rope_gpu(dtype, grad_layout, s, b, g, r, d, rot):
     mixed = torch.randn(s, b, g, (r + 2) * d, device="cuda", dtype=dtype)
     inv = ref.rope_inv_freq(rot, 500000.0).cuda()
     pos = torch.arange(s, device="cuda")
-    grads = tuple(torch.randn(s, b, n, d, device="cuda") if grad_layout == "sbhd" else torch.randn(b, s, n, d, device="cuda").transpose(0, 1)
-                  for n in (g * r, g, g))
+    grads = tuple(
+        torch.randn(s, b, n, d, device="cuda") if grad_layout == "sbhd" else torch.randn(b, s, n, d, device="cuda").transpose(0, 1)
+        for n in (g * r, g, g)
+    )
     check(lambda m: kernel.qkv_rope(m, pos, inv, r), lambda m: ref.qkv_rope(m, pos, inv, r), [mixed], grads)
 
 
@@ -110,8 +124,12 @@ def test_linear_cross_entropy_gpu(dtype, n, h, v):
     labels[::5] = -100
     tw = torch.rand(n, device="cuda")
     for smoothing in (0.0, 0.1):
-        check(lambda a, b: linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing),
-              lambda a, b: ref.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing), [hid, w], torch.tensor(1.0, device="cuda"))
+        check(
+            lambda a, b: linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing),
+            lambda a, b: ref.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing),
+            [hid, w],
+            torch.tensor(1.0, device="cuda"),
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -122,8 +140,12 @@ def test_varlen_attention_gpu(dtype):
     q = torch.randn(1000, 8, 64, device="cuda", dtype=dtype)
     k = torch.randn(1000, 2, 64, device="cuda", dtype=dtype)
     v = torch.randn(1000, 2, 64, device="cuda", dtype=dtype)
-    check(lambda a, b, c: varlen_attention(a, b, c, cu), lambda a, b, c: ref.varlen_attention(a, b, c, cu), [q, k, v],
-          torch.randn(1000, 8, 64, device="cuda"))
+    check(
+        lambda a, b, c: varlen_attention(a, b, c, cu),
+        lambda a, b, c: ref.varlen_attention(a, b, c, cu),
+        [q, k, v],
+        torch.randn(1000, 8, 64, device="cuda"),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,10 +159,15 @@ def test_moe_permute_gpu(dtype, n, hid, k, e):
         def f(t, p):
             perm, rows, _ = kp(t, experts, e)
             return ku(perm * 2.0, rows, p)
+
         return f
 
-    check(roundtrip(moe_permute, moe_unpermute), roundtrip(ref.moe_permute, ref.moe_unpermute),
-          [torch.randn(n, hid, device="cuda", dtype=dtype), torch.rand(n, k, device="cuda", dtype=dtype)], torch.randn(n, hid, device="cuda"))
+    check(
+        roundtrip(moe_permute, moe_unpermute),
+        roundtrip(ref.moe_permute, ref.moe_unpermute),
+        [torch.randn(n, hid, device="cuda", dtype=dtype), torch.rand(n, k, device="cuda", dtype=dtype)],
+        torch.randn(n, hid, device="cuda"),
+    )
 
 
 def test_moe_permute_in_a_cuda_graph():
@@ -193,8 +220,10 @@ def test_adamw_gpu(dtype, compare_adamw):
     assert all(_own_launch(p, p, p, p) for p in large)
     ours = compare_adamw(adamw, large, [0, 0], "cuda")
     mixed = large + [torch.randn(s, device="cuda").to(dtype) for s in [(7, 1000), (1,)]]
-    report = {name: compare_adamw(update, mixed, [0, 0, 0, 0], "cuda", strict=False) for name, update in
-              (("with small tensors", adamw), ("torch fused", ref.adamw))}
+    report = {
+        name: compare_adamw(update, mixed, [0, 0, 0, 0], "cuda", strict=False)
+        for name, update in (("with small tensors", adamw), ("torch fused", ref.adamw))
+    }
     print(f"adamw {dtype}, largest difference as a fraction of the bound: own launches {ours}, {report}")
 
 
@@ -218,7 +247,9 @@ def test_model_with_kernels_matches_reference_ops_gpu():
     ctx = init_parallel(1, 1, "nccl", "cuda")
     fast = OpTable.build(None, registry(), "cuda")
     assert "loongforge.kernels" in fast.names()["rms_norm"] and "loongforge.kernels" in fast.names()["swiglu"]
-    cfg = LLAMA.resolve(ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=704, vocab_size=1000))
+    cfg = LLAMA.resolve(
+        ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=704, vocab_size=1000)
+    )
     torch.manual_seed(0)
     a = build_gpt_model(cfg, ctx, fast).cuda()
     b = build_gpt_model(cfg, ctx, OpTable()).cuda()

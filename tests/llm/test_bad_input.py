@@ -4,7 +4,6 @@ import hashlib
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST, run_cli
 
 pytestmark = pytest.mark.slow
@@ -117,14 +116,27 @@ def test_convert_refuses_a_non_empty_output(direction, finished_run, hf_llama4, 
     (out / "tokenizer" / "tokenizer.json").write_text("mine")
     src = finished_run if direction == "lf-to-hf" else hf_llama4
     _one_line_error(run_cli(["convert", direction, str(src), str(out)]), "not empty")
-    assert (out / "tokenizer" / "tokenizer.json").read_text() == "mine" and sorted(p.name for p in out.rglob("*")) == ["tokenizer", "tokenizer.json"]
+    assert (out / "tokenizer" / "tokenizer.json").read_text() == "mine" and sorted(p.name for p in out.rglob("*")) == [
+        "tokenizer",
+        "tokenizer.json",
+    ]
 
 
 def test_preprocess_bad_inputs(tmp_path):
-    _one_line_error(run_cli(["preprocess", "--input", str(tmp_path / "none.jsonl"), "--tokenizer", "tiny", "--output-prefix", str(tmp_path / "o")]), "data input not found")
+    _one_line_error(
+        run_cli(["preprocess", "--input", str(tmp_path / "none.jsonl"), "--tokenizer", "tiny", "--output-prefix", str(tmp_path / "o")]),
+        "data input not found",
+    )
     f = tmp_path / "d.jsonl"
     f.write_text('{"content": "hello"}\n')
-    _one_line_error(run_cli(["preprocess", "--input", str(f), "--tokenizer", "tiny", "--output-prefix", str(tmp_path / "o")]), "no 'text' column", "content")
+    _one_line_error(
+        run_cli(["preprocess", "--input", str(f), "--tokenizer", "tiny", "--output-prefix", str(tmp_path / "o")]),
+        "no 'text' column",
+        "content",
+    )
     (tmp_path / "o.bin").write_bytes(b"mine")
-    _one_line_error(run_cli(["preprocess", "--input", str(f), "--tokenizer", "tiny", "--text-key", "content", "--output-prefix", str(tmp_path / "o")]), "o.bin exists")
+    _one_line_error(
+        run_cli(["preprocess", "--input", str(f), "--tokenizer", "tiny", "--text-key", "content", "--output-prefix", str(tmp_path / "o")]),
+        "o.bin exists",
+    )
     assert (tmp_path / "o.bin").read_bytes() == b"mine"

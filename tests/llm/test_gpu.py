@@ -3,7 +3,6 @@ through the CLI, and bf16 logits against HF."""
 
 import pytest
 import torch
-
 from conftest import FAST, losses, make_hf_model, run_cli
 
 pytestmark = pytest.mark.gpu
@@ -45,8 +44,18 @@ def test_cuda_both_stacks_train_alike(tmp_path):
     curves = {}
     try:
         for stack in ("megatron", "torch"):
-            r = run_cli(["train", "tiny", *FAST, "train.train_iters=10", f"checkpoint.load={tmp_path / 'hf'}", f"parallel.stack={stack}",
-                         "parallel.data_parallel_mode=fsdp", f"checkpoint.run_dir={tmp_path / stack}"])
+            r = run_cli(
+                [
+                    "train",
+                    "tiny",
+                    *FAST,
+                    "train.train_iters=10",
+                    f"checkpoint.load={tmp_path / 'hf'}",
+                    f"parallel.stack={stack}",
+                    "parallel.data_parallel_mode=fsdp",
+                    f"checkpoint.run_dir={tmp_path / stack}",
+                ]
+            )
             assert r.returncode == 0, r.stderr[-3000:]
             curves[stack] = losses(tmp_path / stack)
     finally:

@@ -2,13 +2,18 @@
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import make_hf_model
 from loongforge.llm import load_model
 from loongforge.llm.model_io import hf_to_lf, lf_to_hf
+from safetensors.torch import load_file
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 CASES = {
     "llama3-gqa": ("llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
     "llama2-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),

@@ -6,18 +6,37 @@ import json
 
 import pytest
 import torch
-
 from conftest import losses, run_cli
 
 # constant LR (so a run cut short and resumed follows the same schedule), no dropout (so
 # layouts can be compared), every linear, global batch = all six samples packed
-COMMON = ["train.lr_warmup_iters=0", "train.lr=5e-3", "train.min_lr=5e-3", "train.log_interval=1", "data.seq_length=128",
-          "lora.dropout=0.0", "lora.rank=4", "lora.alpha=8", "train.micro_batch_size=1", "train.global_batch_size=3"]
+COMMON = [
+    "train.lr_warmup_iters=0",
+    "train.lr=5e-3",
+    "train.min_lr=5e-3",
+    "train.log_interval=1",
+    "data.seq_length=128",
+    "lora.dropout=0.0",
+    "lora.rank=4",
+    "lora.alpha=8",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=3",
+]
 
 
 def _lora(rows_file, run_dir, base, *extra, nproc=1):
-    return run_cli(["train", "lora", *COMMON, f"data.datasets=[{{path: {rows_file}, format: alpaca}}]", f"checkpoint.load={base}",
-                    f"checkpoint.run_dir={run_dir}", *extra], nproc=nproc)
+    return run_cli(
+        [
+            "train",
+            "lora",
+            *COMMON,
+            f"data.datasets=[{{path: {rows_file}, format: alpaca}}]",
+            f"checkpoint.load={base}",
+            f"checkpoint.run_dir={run_dir}",
+            *extra,
+        ],
+        nproc=nproc,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +64,14 @@ def test_checkpoint_holds_only_adapters(trained):
 def test_peft_export_loads_in_transformers_with_our_logits(trained, hf_llama4):
     import peft
     import transformers
-
     from loongforge.llm import load_model
 
     cfg = json.loads((trained / "hf_adapter" / "adapter_config.json").read_text())
-    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert (
+        cfg["r"] == 4
+        and cfg["lora_alpha"] == 8
+        and set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    )
     ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     ours = load_model(trained)(ids)
     with torch.no_grad():
@@ -76,7 +98,9 @@ def test_resume_from_adapters_only_checkpoint(trained, rows_file, hf_llama4, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"], ["parallel.pipeline_model_parallel_size=2", "train.recompute=true"]])
+@pytest.mark.parametrize(
+    "layout", [["parallel.tensor_model_parallel_size=2"], ["parallel.pipeline_model_parallel_size=2", "train.recompute=true"]]
+)
 def test_two_process_lora_matches_single(layout, trained, rows_file, hf_llama4, tmp_path):
     r = _lora(rows_file, tmp_path, hf_llama4, "train.train_iters=4", "checkpoint.export_hf=false", *layout, nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -89,8 +113,14 @@ def test_two_process_lora_matches_single(layout, trained, rows_file, hf_llama4, 
 def test_lora_user_errors(trained, rows_file, hf_llama4, tmp_path):
     from test_bad_input import _one_line_error
 
-    _one_line_error(run_cli(["train", "lora", f"checkpoint.run_dir={tmp_path / 'a'}", "checkpoint.load=null"]), "set checkpoint.load to the base model")
-    _one_line_error(_lora(rows_file, tmp_path / "b", hf_llama4, "lora.target_modules=[q_proj,v_proj]"), "q_proj, v_proj share one fused linear", "k_proj")
+    _one_line_error(
+        run_cli(["train", "lora", f"checkpoint.run_dir={tmp_path / 'a'}", "checkpoint.load=null"]), "set checkpoint.load to the base model"
+    )
+    _one_line_error(
+        _lora(rows_file, tmp_path / "b", hf_llama4, "lora.target_modules=[q_proj,v_proj]"),
+        "q_proj, v_proj share one fused linear",
+        "k_proj",
+    )
     _one_line_error(_lora(rows_file, tmp_path / "c", hf_llama4, "lora.target_modules=[qkv]"), "unknown module 'qkv'")
     _one_line_error(_lora(rows_file, tmp_path / "d", hf_llama4, "lora.target_modules=[decoder.layers.9*.mlp.*]"), "matched no linear")
     _one_line_error(_lora(rows_file, tmp_path / "e", hf_llama4, "lora.rank=-1"), "lora.rank=-1")

@@ -4,7 +4,6 @@ schedule start over), and such a run resumes exactly."""
 
 import pytest
 import torch
-
 from conftest import FAST, losses, run_cli
 
 pytestmark = pytest.mark.slow
@@ -48,9 +47,24 @@ def test_keep_or_reset_optimizer_state(hf_llama4, tmp_path):
 def test_load_optimizer_needs_a_loongforge_checkpoint_with_state(hf_llama4, tmp_path):
     from test_bad_input import _one_line_error
 
-    _one_line_error(run_cli(["train", "tiny", *ARGS, f"checkpoint.load={hf_llama4}", "checkpoint.load_optimizer=true",
-                             f"checkpoint.run_dir={tmp_path / 'r'}"]), "HF directories hold none")
+    _one_line_error(
+        run_cli(
+            [
+                "train",
+                "tiny",
+                *ARGS,
+                f"checkpoint.load={hf_llama4}",
+                "checkpoint.load_optimizer=true",
+                f"checkpoint.run_dir={tmp_path / 'r'}",
+            ]
+        ),
+        "HF directories hold none",
+    )
     conv = tmp_path / "conv"
     assert run_cli(["convert", "hf-to-lf", str(hf_llama4), str(conv)]).returncode == 0
-    _one_line_error(run_cli(["train", "tiny", *ARGS, f"checkpoint.load={conv}", "checkpoint.load_optimizer=true",
-                             f"checkpoint.run_dir={tmp_path / 's'}"]), "holds no optimizer state")
+    _one_line_error(
+        run_cli(
+            ["train", "tiny", *ARGS, f"checkpoint.load={conv}", "checkpoint.load_optimizer=true", f"checkpoint.run_dir={tmp_path / 's'}"]
+        ),
+        "holds no optimizer state",
+    )

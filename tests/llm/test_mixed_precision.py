@@ -3,7 +3,6 @@ weights in its checkpoints, and resumes exactly."""
 
 import pytest
 import torch
-
 from conftest import FAST, losses, run_cli
 
 pytestmark = pytest.mark.slow
@@ -12,8 +11,17 @@ ARGS = [*FAST, "train.lr=1e-3", "train.min_lr=1e-3", "train.lr_warmup_iters=0"]
 
 def test_bf16_params_train_close_to_fp32_and_resume_exactly(hf_llama4, tmp_path):
     def train(run, iters, dtype):
-        r = run_cli(["train", "tiny", *ARGS, f"train.train_iters={iters}", f"train.params_dtype={dtype}", f"checkpoint.load={hf_llama4}",
-                     f"checkpoint.run_dir={tmp_path / run}"])
+        r = run_cli(
+            [
+                "train",
+                "tiny",
+                *ARGS,
+                f"train.train_iters={iters}",
+                f"train.params_dtype={dtype}",
+                f"checkpoint.load={hf_llama4}",
+                f"checkpoint.run_dir={tmp_path / run}",
+            ]
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         return losses(tmp_path / run)
 
@@ -38,9 +46,21 @@ def test_bf16_params_train_close_to_fp32_and_resume_exactly(hf_llama4, tmp_path)
 @pytest.mark.parametrize("layout", ["parallel.pipeline_model_parallel_size=2", "parallel.tensor_model_parallel_size=2"])
 def test_bf16_params_across_layouts(layout, hf_llama4, tmp_path):
     """Pipeline stages pass bf16 activations; TP shards keep their masters' attributes."""
+
     def train(run, *extra, nproc=1):
-        r = run_cli(["train", "tiny", *ARGS, "train.train_iters=3", "train.params_dtype=bfloat16", f"checkpoint.load={hf_llama4}",
-                     f"checkpoint.run_dir={tmp_path / run}", *extra], nproc=nproc)
+        r = run_cli(
+            [
+                "train",
+                "tiny",
+                *ARGS,
+                "train.train_iters=3",
+                "train.params_dtype=bfloat16",
+                f"checkpoint.load={hf_llama4}",
+                f"checkpoint.run_dir={tmp_path / run}",
+                *extra,
+            ],
+            nproc=nproc,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         return losses(tmp_path / run)
 
@@ -51,8 +71,18 @@ def test_bf16_params_across_layouts(layout, hf_llama4, tmp_path):
 
 def test_pure_bf16_trains_resumes_exactly_and_saves_fp32(hf_llama4, tmp_path):
     def train(run, iters):
-        r = run_cli(["train", "tiny", *ARGS, f"train.train_iters={iters}", "train.params_dtype=bfloat16", "train.master_weights=false",
-                     f"checkpoint.load={hf_llama4}", f"checkpoint.run_dir={tmp_path / run}"])
+        r = run_cli(
+            [
+                "train",
+                "tiny",
+                *ARGS,
+                f"train.train_iters={iters}",
+                "train.params_dtype=bfloat16",
+                "train.master_weights=false",
+                f"checkpoint.load={hf_llama4}",
+                f"checkpoint.run_dir={tmp_path / run}",
+            ]
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         return losses(tmp_path / run)
 

@@ -10,18 +10,16 @@ import time
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import FAST, cli_env, losses, run_cli
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
 
 def test_preprocess_jsonl_and_parquet_roundtrip(tmp_path):
     import datasets
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     from loongforge.core.data.text import load_tokenizer
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     docs = ["Ada found a red kite.", "one plus two is three.", "Ben sold the lamp at the market."]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -30,7 +28,19 @@ def test_preprocess_jsonl_and_parquet_roundtrip(tmp_path):
     (arrow,) = (tmp_path / "saved").glob("*.arrow")
     tok = load_tokenizer("tiny")
     for src, prefix in (("a.jsonl", "ja"), ("b.parquet", "pq"), (arrow, "ar")):
-        r = run_cli(["preprocess", "--input", str(tmp_path / src), "--tokenizer", "tiny", "--output-prefix", str(tmp_path / prefix), "--workers", "2"])
+        r = run_cli(
+            [
+                "preprocess",
+                "--input",
+                str(tmp_path / src),
+                "--tokenizer",
+                "tiny",
+                "--output-prefix",
+                str(tmp_path / prefix),
+                "--workers",
+                "2",
+            ]
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         info = json.loads(r.stdout.strip().splitlines()[-1])
         ds = IndexedDataset(str(tmp_path / prefix))
@@ -57,7 +67,18 @@ def tiny_prefixes(tmp_path_factory):
 
 def test_blended_datasets_with_weights_and_validation(tiny_prefixes, tmp_path):
     a, b = tiny_prefixes
-    r = run_cli(["train", "tiny", *FAST, "train.train_iters=6", "train.eval_interval=3", f"data.data_path=[0.7,{a},0.3,{b}]", "data.split='90,10,0'", f"checkpoint.run_dir={tmp_path}"])
+    r = run_cli(
+        [
+            "train",
+            "tiny",
+            *FAST,
+            "train.train_iters=6",
+            "train.eval_interval=3",
+            f"data.data_path=[0.7,{a},0.3,{b}]",
+            "data.split='90,10,0'",
+            f"checkpoint.run_dir={tmp_path}",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5, 6]
@@ -72,8 +93,20 @@ def test_blended_datasets_with_weights_and_validation(tiny_prefixes, tmp_path):
 
 def test_start_from_hf_and_export_back(hf_llama4, tmp_path):
     """lr=0 and no weight decay: the exported HF weights are the imported ones, bit for bit."""
-    r = run_cli(["train", "tiny", *FAST, "train.train_iters=2", "train.lr=0", "train.min_lr=0", "train.weight_decay=0",
-                 f"checkpoint.load={hf_llama4}", "checkpoint.export_hf=true", f"checkpoint.run_dir={tmp_path}"])
+    r = run_cli(
+        [
+            "train",
+            "tiny",
+            *FAST,
+            "train.train_iters=2",
+            "train.lr=0",
+            "train.min_lr=0",
+            "train.weight_decay=0",
+            f"checkpoint.load={hf_llama4}",
+            "checkpoint.export_hf=true",
+            f"checkpoint.run_dir={tmp_path}",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = load_file(str(hf_llama4 / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -84,11 +117,21 @@ def test_first_step_loss_equals_hf_loss(hf_llama4, tmp_path):
     """The step-1 loss of a run started from HF weights is HF's loss on the same batch."""
     import transformers
 
-    r = run_cli(["train", "tiny", *FAST, "train.train_iters=1", "data.split='95,5,0'", f"checkpoint.load={hf_llama4}", f"checkpoint.run_dir={tmp_path}"])
+    r = run_cli(
+        [
+            "train",
+            "tiny",
+            *FAST,
+            "train.train_iters=1",
+            "data.split='95,5,0'",
+            f"checkpoint.load={hf_llama4}",
+            f"checkpoint.run_dir={tmp_path}",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     from loongforge.core.data.text import load_tokenizer
-    from loongforge.llm.data import build_gpt_datasets
     from loongforge.llm.config import TextDataConfig
+    from loongforge.llm.data import build_gpt_datasets
 
     cfg = TextDataConfig(data_path=[str(tmp_path / "data" / "corpus_text_document")], seq_length=32, split="95,5,0")
     train, _, _ = build_gpt_datasets(cfg, load_tokenizer("tiny"), 1234, [4, 1, 0], tmp_path / "data" / "cache")
@@ -102,9 +145,20 @@ def test_first_step_loss_equals_hf_loss(hf_llama4, tmp_path):
 
 
 def test_sigterm_saves_and_the_rerun_resumes(hf_llama4, tmp_path):
-    args = ["train", "tiny", *FAST, "train.train_iters=400", "train.micro_batch_size=8", "train.global_batch_size=64", "data.seq_length=128",
-            f"checkpoint.load={hf_llama4}", f"checkpoint.run_dir={tmp_path}"]
-    p = subprocess.Popen([sys.executable, "-m", "loongforge.llm.cli", *args], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [
+        "train",
+        "tiny",
+        *FAST,
+        "train.train_iters=400",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=64",
+        "data.seq_length=128",
+        f"checkpoint.load={hf_llama4}",
+        f"checkpoint.run_dir={tmp_path}",
+    ]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "loongforge.llm.cli", *args], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.time() < deadline:
@@ -119,8 +173,19 @@ def test_sigterm_saves_and_the_rerun_resumes(hf_llama4, tmp_path):
 
 
 def test_nan_guard_skips_then_stops(tmp_path):
-    r = run_cli(["train", "tiny", *FAST, "train.train_iters=20", "train.lr=1e30", "train.lr_warmup_iters=0", "train.clip_grad=0",
-                 "train.max_bad_steps=2", f"checkpoint.run_dir={tmp_path}"])
+    r = run_cli(
+        [
+            "train",
+            "tiny",
+            *FAST,
+            "train.train_iters=20",
+            "train.lr=1e30",
+            "train.lr_warmup_iters=0",
+            "train.clip_grad=0",
+            "train.max_bad_steps=2",
+            f"checkpoint.run_dir={tmp_path}",
+        ]
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert "consecutive steps with NaN/Inf" in r.stderr.strip().splitlines()[-1]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -131,7 +196,17 @@ def test_recompute_gives_the_same_losses(hf_llama4, tmp_path):
     runs = {}
     for flag in ("false", "true"):
         d = tmp_path / flag
-        r = run_cli(["train", "tiny", *FAST, "train.train_iters=3", f"train.recompute={flag}", f"checkpoint.load={hf_llama4}", f"checkpoint.run_dir={d}"])
+        r = run_cli(
+            [
+                "train",
+                "tiny",
+                *FAST,
+                "train.train_iters=3",
+                f"train.recompute={flag}",
+                f"checkpoint.load={hf_llama4}",
+                f"checkpoint.run_dir={d}",
+            ]
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         runs[flag] = losses(d)
     for step, loss in runs["false"].items():

@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import FAST, cli_env, losses, run_cli
 
 pytestmark = pytest.mark.slow
@@ -20,7 +19,16 @@ def _args(run_dir, hf):
     # Steps of ~0.5 s on a 2-core CPU leave the test time to kill the run between the step-3
     # checkpoint and the next one.
     slow = ["train.micro_batch_size=8", "train.global_batch_size=64", "data.seq_length=128"]
-    return ["train", "tiny", *FAST, *slow, f"train.train_iters={STEPS}", "train.save_interval=3", f"checkpoint.load={hf}", f"checkpoint.run_dir={run_dir}"]
+    return [
+        "train",
+        "tiny",
+        *FAST,
+        *slow,
+        f"train.train_iters={STEPS}",
+        "train.save_interval=3",
+        f"checkpoint.load={hf}",
+        f"checkpoint.run_dir={run_dir}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +44,13 @@ def killed(hf_llama4, tmp_path_factory):
     """A run killed with SIGKILL right after its step-3 checkpoint landed."""
     d = tmp_path_factory.mktemp("killed")
     # its own process group, so the kill takes its helper processes too (as killing a job does)
-    p = subprocess.Popen([sys.executable, "-m", "loongforge.llm.cli", *_args(d, hf_llama4)], env=cli_env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "loongforge.llm.cli", *_args(d, hf_llama4)],
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     latest = d / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and time.time() < deadline and p.poll() is None:

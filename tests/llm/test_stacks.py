@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import FAST, losses, run_cli
 
 pytestmark = pytest.mark.slow
@@ -17,7 +16,9 @@ CONST_LR = ["train.lr_decay_style=constant", "train.lr_warmup_iters=0"]  # a res
 
 
 def _train(d, hf, *extra, steps=STEPS, nproc=1):
-    r = run_cli(["train", "tiny", *FAST, f"train.train_iters={steps}", f"checkpoint.load={hf}", f"checkpoint.run_dir={d}", *extra], nproc=nproc)
+    r = run_cli(
+        ["train", "tiny", *FAST, f"train.train_iters={steps}", f"checkpoint.load={hf}", f"checkpoint.run_dir={d}", *extra], nproc=nproc
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return losses(d)
 
@@ -51,7 +52,10 @@ def test_both_stacks_write_the_same_layout_and_hf_export(megatron_run, torch_run
         assert (ck / "latest").read_text() == f"step_{STEPS:08d}"
         manifest = json.loads((ck / f"step_{STEPS:08d}" / "manifest.json").read_text())
         assert manifest["trainer"]["step"] == STEPS and manifest["files"]
-    assert json.loads((md / "checkpoints" / "latest").parent.joinpath(f"step_{STEPS:08d}", "manifest.json").read_text())["parallel"]["stack"] == "megatron"
+    assert (
+        json.loads((md / "checkpoints" / "latest").parent.joinpath(f"step_{STEPS:08d}", "manifest.json").read_text())["parallel"]["stack"]
+        == "megatron"
+    )
     assert json.loads((td / "checkpoints" / f"step_{STEPS:08d}" / "manifest.json").read_text())["parallel"]["stack"] == "torch"
     a, b = load_file(str(md / "hf" / "model.safetensors")), load_file(str(td / "hf" / "model.safetensors"))
     start = load_file(str(hf_llama4 / "model.safetensors"))
@@ -101,7 +105,9 @@ def test_stack_mismatch_and_unsupported_options_are_one_line_errors(megatron_run
         (["parallel.stack=torch", "parallel.data_parallel_mode=zero3"], "data_parallel_mode"),
     ]
     for extra, needle in cases:
-        r = run_cli(["train", "tiny", *FAST, "train.train_iters=1", f"checkpoint.load={hf_llama4}", f"checkpoint.run_dir={tmp_path / 'a'}", *extra])
+        r = run_cli(
+            ["train", "tiny", *FAST, "train.train_iters=1", f"checkpoint.load={hf_llama4}", f"checkpoint.run_dir={tmp_path / 'a'}", *extra]
+        )
         assert r.returncode == 2, (extra, r.stderr[-2000:])
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("error:") and needle in last, (extra, last)

@@ -29,7 +29,6 @@ import json
 import torch
 import torch.nn.functional as F
 import triton
-
 from loongforge.core.ops import reference as ref
 
 
@@ -67,8 +66,15 @@ def row(kernel, shape, name, step, nbytes, copy_gbs, cold=False) -> dict:
     ms = bench(step)
     gms = bench_graph(step)
     t = gms if gms is not None else ms
-    r = {"kernel": kernel, "shape": shape, "setup": name, "ms": ms, "graph ms": gms,
-         "GB/s": nbytes / t / 1e6, "of copy": nbytes / t / 1e6 / copy_gbs}
+    r = {
+        "kernel": kernel,
+        "shape": shape,
+        "setup": name,
+        "ms": ms,
+        "graph ms": gms,
+        "GB/s": nbytes / t / 1e6,
+        "of copy": nbytes / t / 1e6 / copy_gbs,
+    }
     if cold:
         r["cold graph ms"] = bench_graph_cold(step) if gms is not None else None  # bench_graph said why not
     return r
@@ -83,10 +89,12 @@ def copy_bandwidth() -> float:
 
 def fwd_bwd(fn, inputs, grads):
     """One forward + backward of `fn` (one output, or a tuple of them with a tuple of `grads`)."""
+
     def step():
         for t in inputs:
             t.grad = None
         torch.autograd.backward(fn(*inputs), grads)
+
     return step
 
 
@@ -111,7 +119,9 @@ def rms_norm_rows(shapes, copy_gbs):
             "torch.compile(reference)": torch.compile(lambda a, b: ref.rms_norm(a, b, 1e-6), dynamic=False),
             "F.rms_norm": lambda a, b: F.rms_norm(a, (hidden,), b, 1e-6),
         }
-        liger = maybe(lambda: __import__("liger_kernel.transformers", fromlist=["LigerRMSNorm"]).LigerRMSNorm(hidden, eps=1e-6).cuda().bfloat16())
+        liger = maybe(
+            lambda: __import__("liger_kernel.transformers", fromlist=["LigerRMSNorm"]).LigerRMSNorm(hidden, eps=1e-6).cuda().bfloat16()
+        )
         if liger is not None:
             liger.weight = w
             setups["liger"] = lambda a, b: liger(a)
@@ -187,6 +197,7 @@ def rope_setups(b, s, hq, hk, d, device):
         def liger(q, k):
             qo, ko = lig.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             return qo.transpose(1, 2), ko.transpose(1, 2)
+
         setups["liger"] = liger
     return (q0, k0), (gq, gk), setups
 
@@ -209,8 +220,10 @@ def rope_rows(shapes, copy_gbs, sweep=((8, 2), (16, 1), (16, 4), (32, 4)), devic
             rows.append(row("rope q+k fwd+bwd", shape, name, fwd_bwd(setups[name], [q, k], grads), nbytes, copy_gbs, cold=True))
         pos, inv = torch.arange(s, device=device), ref.rope_inv_freq(d, 500000.0).to(device)
         for block_h, warps in ((krope.BLOCK_H, krope.WARPS),) + tuple(sweep):
+
             def fwd(block_h=block_h, warps=warps):
                 krope._launch(q, k, pos, inv, False, 1.0, block_h, warps)
+
             rows.append(row("rope q+k fwd", shape, f"loongforge {block_h} heads, {warps} warps", fwd, nbytes // 2, copy_gbs))
     return rows
 
@@ -234,6 +247,7 @@ def moe_setups(n, h, e, k, device):
         def f(x, probs):
             permuted, row_ids, _ = permute(x, ids, e)
             return unpermute(permuted, row_ids, probs)
+
         return f
 
     setups = {"eager reference": pipeline(ref.moe_permute, ref.moe_unpermute), "loongforge": pipeline(kmoe.moe_permute, kmoe.moe_unpermute)}
@@ -247,6 +261,7 @@ def moe_setups(n, h, e, k, device):
             permuted, _, sorted_indices = mcore.permute(x, routing_map)
             dense = torch.zeros(n, e, dtype=probs.dtype, device=device).scatter(1, ids, probs)
             return mcore.unpermute(permuted, sorted_indices, x.shape, probs=dense, routing_map=routing_map)
+
         setups["megatron-core moe_utils"] = megatron
     return (x0, p0), (g0,), setups, ids
 
@@ -260,8 +275,11 @@ def moe_rows(shapes, copy_gbs, sweep=(2, 8), device="cuda"):
     for n, h, e, k in shapes:
         inputs, grads, setups, ids = moe_setups(n, h, e, k, device)
         errors = agreement(setups, inputs, grads, 2e-2)
-        print(f"moe permute+unpermute {n}x{h}, top-{k} of {e}, relative difference to the eager reference:",
-              {name: f"{err:.2g}" for name, err in errors.items()}, flush=True)
+        print(
+            f"moe permute+unpermute {n}x{h}, top-{k} of {e}, relative difference to the eager reference:",
+            {name: f"{err:.2g}" for name, err in errors.items()},
+            flush=True,
+        )
         x, probs = (t.clone().requires_grad_(True) for t in inputs)
         (g,) = grads
         # permute fwd reads n rows, writes n*k; unpermute fwd reads n*k, writes n; unpermute bwd
@@ -269,15 +287,35 @@ def moe_rows(shapes, copy_gbs, sweep=(2, 8), device="cuda"):
         # permute bwd reads n*k, writes n
         nbytes = (4 * n + 5 * n * k) * h * 2
         for name in errors:
-            rows.append(row("moe permute+unpermute fwd+bwd", f"{n}x{h} top-{k}/{e}", name, fwd_bwd(setups[name], [x, probs], g), nbytes, copy_gbs, cold=True))
+            rows.append(
+                row(
+                    "moe permute+unpermute fwd+bwd",
+                    f"{n}x{h} top-{k}/{e}",
+                    name,
+                    fwd_bwd(setups[name], [x, probs], g),
+                    nbytes,
+                    copy_gbs,
+                    cold=True,
+                )
+            )
         pos = kmoe._positions(ref.moe_order(ids, e)[0], k)
         permuted = kmoe._scatter_rows(x.detach(), pos)
         for warps in (kmoe.WARPS,) + tuple(sweep):
+
             def fwd(warps=warps):
                 kmoe._scatter_rows(x, pos, num_warps=warps)
                 kmoe._combine_rows(permuted, pos, probs, num_warps=warps)
-            rows.append(row("moe permute+unpermute fwd kernels", f"{n}x{h} top-{k}/{e}", f"loongforge {warps} warps", fwd,
-                            2 * (n + n * k) * h * 2, copy_gbs))
+
+            rows.append(
+                row(
+                    "moe permute+unpermute fwd kernels",
+                    f"{n}x{h} top-{k}/{e}",
+                    f"loongforge {warps} warps",
+                    fwd,
+                    2 * (n + n * k) * h * 2,
+                    copy_gbs,
+                )
+            )
     return rows
 
 
@@ -300,16 +338,21 @@ def qkv_rope_rows(shapes, copy_gbs):
         m = torch.randn(s, b, g, (r + 2) * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         inv = ref.rope_inv_freq(d, 500000.0).cuda()
         pos = torch.arange(s, device="cuda")
-        setups = {"loongforge fused": lambda t: qkv_rope(t, pos, inv, r), "split + loongforge rope": lambda t: split_then_rope(t, pos, inv, r),
-                  "torch.compile(reference)": torch.compile(lambda t: ref.qkv_rope(t, pos, inv, r), dynamic=False),
-                  "eager reference": lambda t: ref.qkv_rope(t, pos, inv, r)}
+        setups = {
+            "loongforge fused": lambda t: qkv_rope(t, pos, inv, r),
+            "split + loongforge rope": lambda t: split_then_rope(t, pos, inv, r),
+            "torch.compile(reference)": torch.compile(lambda t: ref.qkv_rope(t, pos, inv, r), dynamic=False),
+            "eager reference": lambda t: ref.qkv_rope(t, pos, inv, r),
+        }
         nbytes = 4 * m.numel() * 2  # fwd: read the projection, write q/k/v; bwd: the same back
 
         for name, fn in setups.items():
+
             def step(fn=fn):
                 m.grad = None
                 outs = fn(m)
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
             rows.append(row("qkv split+rope fwd+bwd", f"{s}x{b}x{g}x({r}+2)x{d}", name, step, nbytes, copy_gbs))
     return rows
 
@@ -323,9 +366,11 @@ def attention_layout_rows(shapes):
     rows = []
     for s, b, h, d in shapes:
         for layout in ("sbhd", "bshd"):
+
             def make():
                 t = torch.randn((s, b, h, d) if layout == "sbhd" else (b, s, h, d), device="cuda", dtype=torch.bfloat16)
                 return (t if layout == "sbhd" else t.transpose(0, 1)).requires_grad_(True)
+
             q, k, v = make(), make(), make()
             g = torch.randn(s, b, h * d, device="cuda", dtype=torch.bfloat16)
 
@@ -334,7 +379,16 @@ def attention_layout_rows(shapes):
                     t.grad = None
                 out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True)
                 out.permute(2, 0, 1, 3).reshape(s, b, h * d).backward(g)
-            rows.append({"kernel": "attention fwd+bwd", "shape": f"{b}x{s}x{h}x{d}", "setup": f"q/k/v {layout}", "ms": bench(step), "graph ms": bench_graph(step)})
+
+            rows.append(
+                {
+                    "kernel": "attention fwd+bwd",
+                    "shape": f"{b}x{s}x{h}x{d}",
+                    "setup": f"q/k/v {layout}",
+                    "ms": bench(step),
+                    "graph ms": bench_graph(step),
+                }
+            )
     return rows
 
 
@@ -344,8 +398,11 @@ def adamw_rows(copy_gbs, num_layers=24, hidden=2048, ffn=5632, vocab=32000):
     kernel's launch parameters over the same tensors."""
     from loongforge.kernels import adamw as k
 
-    shapes = [(vocab, hidden), (vocab, hidden), (hidden,)] + [s for _ in range(num_layers) for s in
-              ((3 * hidden, hidden), (hidden, hidden), (2 * ffn, hidden), (hidden, ffn), (hidden,), (hidden,))]
+    shapes = [(vocab, hidden), (vocab, hidden), (hidden,)] + [
+        s
+        for _ in range(num_layers)
+        for s in ((3 * hidden, hidden), (hidden, hidden), (2 * ffn, hidden), (hidden, ffn), (hidden,), (hidden,))
+    ]
     ps = [torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02 for s in shapes]
     gs = [torch.randn_like(p) for p in ps]
     ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
@@ -355,14 +412,18 @@ def adamw_rows(copy_gbs, num_layers=24, hidden=2048, ffn=5632, vocab=32000):
     label = f"{n / 1e9:.3f}B bf16"
     rows = []
     for name, fn in (("loongforge", k.adamw), ("torch fused (reference)", ref.adamw)):
+
         def step(fn=fn):
             fn(ps, gs, ms, vs, steps, lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, grad_scale=scale)
+
         rows.append(row("adamw step", label, name, step, 14 * n, copy_gbs))
     big = [[t[i] for i, p in enumerate(ps) if k._own_launch(p, gs[i], ms[i], vs[i])] for t in (ps, gs, ms, vs, steps)]
     nbig = sum(p.numel() for p in big[0])
     for block, warps in ((512, 4), (1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+
         def sweep(block=block, warps=warps):
             k.adamw(*big, lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, grad_scale=scale, block=block, num_warps=warps)
+
         rows.append(row("adamw launch sweep", f"{nbig / 1e9:.3f}B bf16", f"block {block} x {warps} warps", sweep, 14 * nbig, copy_gbs))
     return rows
 
@@ -381,19 +442,27 @@ def linear_ce_rows(copy_gbs, n=16384, h=4096, v=128256):
             logits = hid @ w.T
             loss = F.cross_entropy(logits.float() if fp32 else logits, labels)
             loss.backward()
+
         return f
 
-    setups = {"loongforge fused": lambda: linear_cross_entropy(hid, w, labels, tw).backward(),
-              "unfused, fp32 logits": unfused(True), "unfused, bf16 logits": unfused(False)}
-    liger = maybe(lambda: __import__("liger_kernel.transformers", fromlist=["LigerFusedLinearCrossEntropyLoss"]).LigerFusedLinearCrossEntropyLoss())
+    setups = {
+        "loongforge fused": lambda: linear_cross_entropy(hid, w, labels, tw).backward(),
+        "unfused, fp32 logits": unfused(True),
+        "unfused, bf16 logits": unfused(False),
+    }
+    liger = maybe(
+        lambda: __import__("liger_kernel.transformers", fromlist=["LigerFusedLinearCrossEntropyLoss"]).LigerFusedLinearCrossEntropyLoss()
+    )
     if liger is not None:
         setups["liger fused"] = lambda: liger(w, hid, labels).backward()
     runs, extra = {}, {}
     for name, step in setups.items():
+
         def run(step=step):
             hid.grad = None
             w.grad = None
             step()
+
         run()
         torch.cuda.synchronize()
         hid.grad = None
@@ -412,8 +481,16 @@ def linear_ce_rows(copy_gbs, n=16384, h=4096, v=128256):
         for name, run in runs.items():
             times[name].append(bench(run, warmup=1, rep=10))
     for name in runs:
-        rows.append({"kernel": "linear+CE fwd+bwd", "shape": f"{n}x{h}x{v}", "setup": name, "ms": sorted(times[name])[2],
-                     "graph ms": None, "extra GiB": extra[name]})
+        rows.append(
+            {
+                "kernel": "linear+CE fwd+bwd",
+                "shape": f"{n}x{h}x{v}",
+                "setup": name,
+                "ms": sorted(times[name])[2],
+                "graph ms": None,
+                "extra GiB": extra[name],
+            }
+        )
     for name in ("loongforge fused", "liger fused"):
         if name in runs:
             kernel_breakdown(name, runs[name])
@@ -450,8 +527,10 @@ def ce_rows_sweep(rows_n, v, copy_gbs):
     loss = torch.empty(rows_n, device="cuda")
     out = []
     for block_v, warps in ((2048, 8), (4096, 8), (4096, 16), (8192, 16), (8192, 32), (16384, 16), (16384, 32), (32768, 32)):
+
         def step(block_v=block_v, warps=warps):
             lce.ce_rows(logits, labels, tw, loss, -100, 0.0, True, block_v=block_v, num_warps=warps)
+
         out.append(row("CE rows (in place)", f"{rows_n}x{v}", f"block {block_v} x {warps} warps", step, 3 * logits.numel() * 2, copy_gbs))
     return out
 
@@ -464,7 +543,9 @@ def main():
     a = p.parse_args()
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy {copy_gbs:.0f} GB/s", flush=True)
+    print(
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; copy {copy_gbs:.0f} GB/s", flush=True
+    )
     shapes = [(t, h) for h in (2048, 4096, 8192) for t in (8192, 32768)] if not a.quick else [(8192, 2048)]
     rows = []
     only = a.only.split(",")
@@ -473,21 +554,26 @@ def main():
     if "swiglu" in only:
         rows += swiglu_rows([(t, f) for t in (8192, 32768) for f in (5632, 14336)] if not a.quick else [(8192, 5632)], copy_gbs)
     if "rope" in only:
-        rows += rope_rows([(4, 2048, 16, 16, 128), (1, 8192, 32, 8, 128), (4, 8192, 32, 8, 128)]
-                          if not a.quick else [(4, 2048, 16, 16, 128)], copy_gbs)
+        rows += rope_rows(
+            [(4, 2048, 16, 16, 128), (1, 8192, 32, 8, 128), (4, 8192, 32, 8, 128)] if not a.quick else [(4, 2048, 16, 16, 128)], copy_gbs
+        )
     if "qkv_rope" in only:
         rows += qkv_rope_rows([(2048, 4, 16, 1, 128), (4096, 1, 8, 4, 128)] if not a.quick else [(2048, 4, 16, 1, 128)], copy_gbs)
     if "moe" in only:
-        rows += moe_rows([(8192, 4096, 8, 2), (32768, 4096, 8, 2), (8192, 2048, 128, 8), (32768, 2048, 128, 8)]
-                         if not a.quick else [(2048, 1024, 8, 2)], copy_gbs)
+        rows += moe_rows(
+            [(8192, 4096, 8, 2), (32768, 4096, 8, 2), (8192, 2048, 128, 8), (32768, 2048, 128, 8)] if not a.quick else [(2048, 1024, 8, 2)],
+            copy_gbs,
+        )
     if "attention_layout" in only:
         rows += attention_layout_rows([(2048, 4, 16, 128)] if not a.quick else [(512, 2, 4, 64)])
     if "adamw" in only:
         rows += adamw_rows(copy_gbs) if not a.quick else adamw_rows(copy_gbs, num_layers=2)
     if "linear_ce" in only:
         rows += linear_ce_rows(copy_gbs) if not a.quick else linear_ce_rows(copy_gbs, 2048, 1024, 32000)
-    print("\n| kernel | shape | setup | ms | graph ms | cold graph ms | GB/s | of copy | extra GiB |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "\n| kernel | shape | setup | ms | graph ms | cold graph ms | GB/s | of copy | extra GiB |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
     for r in rows:
         gms = f"{r['graph ms']:.3f}" if r.get("graph ms") is not None else ""
         cms = f"{r['cold graph ms']:.3f}" if r.get("cold graph ms") is not None else ""

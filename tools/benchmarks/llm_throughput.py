@@ -40,9 +40,9 @@ guard; one fixed micro-batch per step, so no data loading):
 from __future__ import annotations
 
 import argparse
-import logging
 import gc
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -62,8 +62,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def model_config(a, max_positions: int):
     from loongforge.core.foundation.spec import ModelConfig
 
-    return ModelConfig(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-                       num_query_groups=a.kv_heads or a.heads, ffn_hidden_size=a.ffn, vocab_size=a.vocab, max_position_embeddings=max_positions)
+    return ModelConfig(
+        family="llama",
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        num_attention_heads=a.heads,
+        num_query_groups=a.kv_heads or a.heads,
+        ffn_hidden_size=a.ffn,
+        vocab_size=a.vocab,
+        max_position_embeddings=max_positions,
+    )
 
 
 def parse():
@@ -74,8 +82,11 @@ def parse():
     p.add_argument("--hf-checkpointing", action="store_true", help="HF setups use gradient checkpointing (ours: the '+ recompute' setups)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--setups", default="loongforge trainer,loongforge trainer (pure bf16),loongforge trainer (reference ops),loongforge fp32 params + autocast,"
-                                       "hf eager,hf compile,megatron local spec")
+    p.add_argument(
+        "--setups",
+        default="loongforge trainer,loongforge trainer (pure bf16),loongforge trainer (reference ops),loongforge fp32 params + autocast,"
+        "hf eager,hf compile,megatron local spec",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args()
 
@@ -94,8 +105,9 @@ def timed(step, warmup: int, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def loongforge_trainer(mcfg, rows: int, seq: int, precision: str, kernels: bool, recompute: bool = False, stack: str = "megatron",
-                       compile_: bool = False):
+def loongforge_trainer(
+    mcfg, rows: int, seq: int, precision: str, kernels: bool, recompute: bool = False, stack: str = "megatron", compile_: bool = False
+):
     """A set-up `Trainer` of the LLM task for micro-batches of `rows` x `seq` tokens, one per step.
     precision: "masters" (bf16 params, fp32 masters: the GPU default), "pure" (all bf16) or
     "fp32" (fp32 params under bf16 autocast). stack: "megatron" (our megatron-core model) or
@@ -114,8 +126,17 @@ def loongforge_trainer(mcfg, rows: int, seq: int, precision: str, kernels: bool,
     acc = get_accelerator("cuda")
     mcfg = registry().get("family", mcfg.family).resolve(mcfg)
     b, s = rows, seq
-    train = TrainConfig(micro_batch_size=b, global_batch_size=b, train_iters=1 << 30, lr=1e-4, lr_warmup_iters=0, weight_decay=0.1,
-                        params_dtype="float32" if precision == "fp32" else "bfloat16", master_weights=precision != "pure", recompute=recompute)
+    train = TrainConfig(
+        micro_batch_size=b,
+        global_batch_size=b,
+        train_iters=1 << 30,
+        lr=1e-4,
+        lr_warmup_iters=0,
+        weight_decay=0.1,
+        params_dtype="float32" if precision == "fp32" else "bfloat16",
+        master_weights=precision != "pure",
+        recompute=recompute,
+    )
     par = ParallelConfig(stack=stack, data_parallel_mode="fsdp", compile=compile_)
     cfg = PretrainConfig(model=mcfg, parallel=par, train=train, checkpoint=CheckpointConfig(run_dir=tempfile.mkdtemp(), export_hf=False))
     cfg.data.seq_length = s
@@ -151,12 +172,27 @@ def cli_timed(a, precision: str, warmup: int, steps: int) -> tuple[float, float]
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["train", "llama_1p3b", f"model.num_layers={a.layers}", f"model.hidden_size={a.hidden}", f"model.num_attention_heads={a.heads}",
-                f"model.num_query_groups={a.kv_heads or a.heads}", f"model.ffn_hidden_size={a.ffn}", f"model.vocab_size={a.vocab}",
-                f"model.max_position_embeddings={a.seq}", f"data.seq_length={a.seq}", f"train.micro_batch_size={a.micro_batch}",
-                f"train.global_batch_size={a.micro_batch}", f"train.train_iters={2 * steps}", f"train.log_interval={steps}",
-                "train.eval_interval=0", "train.save_interval=0", f"train.master_weights={'true' if precision == 'masters' else 'false'}",
-                "checkpoint.export_hf=false", f"checkpoint.run_dir={tmp}/run"]
+        args = [
+            "train",
+            "llama_1p3b",
+            f"model.num_layers={a.layers}",
+            f"model.hidden_size={a.hidden}",
+            f"model.num_attention_heads={a.heads}",
+            f"model.num_query_groups={a.kv_heads or a.heads}",
+            f"model.ffn_hidden_size={a.ffn}",
+            f"model.vocab_size={a.vocab}",
+            f"model.max_position_embeddings={a.seq}",
+            f"data.seq_length={a.seq}",
+            f"train.micro_batch_size={a.micro_batch}",
+            f"train.global_batch_size={a.micro_batch}",
+            f"train.train_iters={2 * steps}",
+            f"train.log_interval={steps}",
+            "train.eval_interval=0",
+            "train.save_interval=0",
+            f"train.master_weights={'true' if precision == 'masters' else 'false'}",
+            "checkpoint.export_hf=false",
+            f"checkpoint.run_dir={tmp}/run",
+        ]
         r = subprocess.run([sys.executable, "-m", "loongforge.llm.cli", *args], capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"loongforge-llm train failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -166,21 +202,29 @@ def cli_timed(a, precision: str, warmup: int, steps: int) -> tuple[float, float]
 
 
 def megatron_local_step(mcfg, tokens):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     from loongforge.core.accelerator import get_accelerator
     from loongforge.core.foundation.families import LLAMA
     from loongforge.core.foundation.spec import transformer_config
     from loongforge.core.parallel import init_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     acc = get_accelerator("cuda")
     init_parallel(1, 1, acc.backend, acc.device_type)
     acc.manual_seed(0)
     config = transformer_config(LLAMA.resolve(mcfg), 1, 1, torch.bfloat16, recompute=False)
     config.bf16 = True
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=mcfg.vocab_size,
-                     max_sequence_length=mcfg.max_position_embeddings, position_embedding_type="rope").cuda().bfloat16()
+    model = (
+        GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=mcfg.vocab_size,
+            max_sequence_length=mcfg.max_position_embeddings,
+            position_embedding_type="rope",
+        )
+        .cuda()
+        .bfloat16()
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     labels = tokens.roll(-1, 1)
 
@@ -200,9 +244,15 @@ def hf_step(mcfg, tokens, compile_: bool, checkpointing: bool = False, fp32_para
     import transformers
 
     cfg = transformers.LlamaConfig(
-        hidden_size=mcfg.hidden_size, intermediate_size=mcfg.ffn_hidden_size, num_hidden_layers=mcfg.num_layers,
-        num_attention_heads=mcfg.num_attention_heads, num_key_value_heads=mcfg.num_query_groups, vocab_size=mcfg.vocab_size,
-        max_position_embeddings=mcfg.max_position_embeddings, attn_implementation="sdpa", use_cache=False,
+        hidden_size=mcfg.hidden_size,
+        intermediate_size=mcfg.ffn_hidden_size,
+        num_hidden_layers=mcfg.num_layers,
+        num_attention_heads=mcfg.num_attention_heads,
+        num_key_value_heads=mcfg.num_query_groups,
+        vocab_size=mcfg.vocab_size,
+        max_position_embeddings=mcfg.max_position_embeddings,
+        attn_implementation="sdpa",
+        use_cache=False,
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -244,16 +294,23 @@ def main():
         "loongforge fp32 params + autocast": lambda: loongforge_step(mcfg, tokens, "fp32", True),
         "hf eager": lambda: hf_step(mcfg, tokens, compile_=False, checkpointing=a.hf_checkpointing),
         "hf compile": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.hf_checkpointing),
-        "hf compile fp32 params + autocast": lambda: hf_step(mcfg, tokens, compile_=True, checkpointing=a.hf_checkpointing, fp32_params=True),
+        "hf compile fp32 params + autocast": lambda: hf_step(
+            mcfg, tokens, compile_=True, checkpointing=a.hf_checkpointing, fp32_params=True
+        ),
         "loongforge torch stack (fsdp)": lambda: loongforge_step(mcfg, tokens, "masters", True, stack="torch"),
         "loongforge torch stack (fsdp) pure bf16": lambda: loongforge_step(mcfg, tokens, "pure", True, stack="torch"),
         "loongforge torch stack (fsdp) + compile": lambda: loongforge_step(mcfg, tokens, "masters", True, stack="torch", compile_=True),
-        "loongforge torch stack (fsdp) pure bf16 + compile": lambda: loongforge_step(mcfg, tokens, "pure", True, stack="torch", compile_=True),
+        "loongforge torch stack (fsdp) pure bf16 + compile": lambda: loongforge_step(
+            mcfg, tokens, "pure", True, stack="torch", compile_=True
+        ),
         "megatron local spec": lambda: megatron_local_step(mcfg, tokens),
     }
     cli_setups = {"loongforge-llm train (CLI)": "masters", "loongforge-llm train (CLI) pure bf16": "pure"}
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, params {mcfg.num_params() / 1e9:.3f}B, "
-          f"{tok_per_step} tokens/step, {fpt / 1e9:.2f} GFLOP/token", flush=True)
+    print(
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, params {mcfg.num_params() / 1e9:.3f}B, "
+        f"{tok_per_step} tokens/step, {fpt / 1e9:.2f} GFLOP/token",
+        flush=True,
+    )
     results = {}
     names = [s.strip() for s in a.setups.split(",")]
     unknown = [n for n in names if n not in builders and n not in cli_setups]
@@ -269,13 +326,18 @@ def main():
             del step, keep
         tps = tok_per_step / (ms / 1e3)
         results[name] = {"ms_per_step": ms, "tokens_per_s": tps, "tflops": tps * fpt / 1e12, "mfu": tps * fpt / peak, "peak_gib": mem}
-        print(f"{name}: {ms:.1f} ms/step, {tps:,.0f} tok/s, {tps * fpt / 1e12:.0f} TFLOP/s, peak {mem:.1f} GiB ({time.time() - t0:.0f}s)", flush=True)
+        print(
+            f"{name}: {ms:.1f} ms/step, {tps:,.0f} tok/s, {tps * fpt / 1e12:.0f} TFLOP/s, peak {mem:.1f} GiB ({time.time() - t0:.0f}s)",
+            flush=True,
+        )
         gc.collect()
         torch.cuda.empty_cache()
     print("\n| setup | ms/step | tokens/s | TFLOP/s | MFU (of 989) | peak GiB |")
     print("| --- | --- | --- | --- | --- | --- |")
     for n, r in results.items():
-        print(f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |")
+        print(
+            f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |"
+        )
     base = {k: v for k, v in results.items() if not k.startswith("loongforge")}
     for ours in [k for k in results if k.startswith("loongforge")]:
         for b, r in base.items():

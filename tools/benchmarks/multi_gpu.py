@@ -37,7 +37,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 # (TP, PP) per GPU count, DP is what remains: the layouts the multi-GPU issue names, plus pure DP
 DEFAULT_LAYOUTS = {2: [(2, 1), (1, 2), (1, 1)], 4: [(2, 2), (2, 1), (1, 1)], 8: [(2, 1), (2, 2), (1, 1)]}
 
@@ -62,14 +61,34 @@ def free_port() -> int:
 
 def train(a, name: str, nproc: int, extra: list[str]) -> Path:
     run_dir = Path(a.out) / name
-    args = ["train", a.config, f"train.train_iters={a.steps}", f"train.global_batch_size={a.global_batch}",
-            f"train.micro_batch_size={a.micro_batch}", "train.log_interval=1", "train.eval_interval=0",
-            "checkpoint.export_hf=false", f"checkpoint.run_dir={run_dir}", *a.set, *extra]
+    args = [
+        "train",
+        a.config,
+        f"train.train_iters={a.steps}",
+        f"train.global_batch_size={a.global_batch}",
+        f"train.micro_batch_size={a.micro_batch}",
+        "train.log_interval=1",
+        "train.eval_interval=0",
+        "checkpoint.export_hf=false",
+        f"checkpoint.run_dir={run_dir}",
+        *a.set,
+        *extra,
+    ]
     if nproc == 1:
         cmd = [sys.executable, "-m", "loongforge.llm.cli", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-               "-m", "loongforge.llm.cli", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "loongforge.llm.cli",
+            *args,
+        ]
     print(f"[{name}] {' '.join(cmd[2:])}", flush=True)
     with open(Path(a.out) / f"{name}.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONWARNINGS="ignore")).returncode
@@ -131,8 +150,11 @@ def main() -> None:
     resplit = train(a, "gpu1_half_micro", 1, [f"train.micro_batch_size={a.micro_batch // 2}"])
     ref, other = losses(single), losses(resplit)
     bound = max(2 * max(abs(ref[s] - other[s]) for s in ref), 1e-5 * max(ref.values()))
-    print(f"bound (2 x max |difference| between micro-batch {a.micro_batch} and {a.micro_batch // 2} on one GPU, "
-          f"at least 1e-5 of the loss): {bound:.6f}", flush=True)
+    print(
+        f"bound (2 x max |difference| between micro-batch {a.micro_batch} and {a.micro_batch // 2} on one GPU, "
+        f"at least 1e-5 of the loss): {bound:.6f}",
+        flush=True,
+    )
 
     results = {"gpu1": {"tp": 1, "pp": 1, "dp": 1, "max_diff": 0.0, "tokens_per_gpu": per_gpu_tokens(single, a.steps, 1)}}
     runs = {}
@@ -142,11 +164,20 @@ def main() -> None:
             print(f"skipping TP{tp} PP{pp} DP{dp}: global batch {a.global_batch} is not a multiple of DP x micro-batch", flush=True)
             continue
         name = f"tp{tp}_pp{pp}_dp{dp}"
-        d = train(a, name, a.gpus, [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
-                                    f"train.save_interval={half}"])
+        d = train(
+            a,
+            name,
+            a.gpus,
+            [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}", f"train.save_interval={half}"],
+        )
         got = losses(d)
-        results[name] = {"tp": tp, "pp": pp, "dp": dp, "max_diff": max(abs(got[s] - ref[s]) for s in ref),
-                         "tokens_per_gpu": per_gpu_tokens(d, a.steps, a.gpus)}
+        results[name] = {
+            "tp": tp,
+            "pp": pp,
+            "dp": dp,
+            "max_diff": max(abs(got[s] - ref[s]) for s in ref),
+            "tokens_per_gpu": per_gpu_tokens(d, a.steps, a.gpus),
+        }
         runs[name] = (tp, pp, d)
 
     resume = None
@@ -160,7 +191,12 @@ def main() -> None:
         if "resumed from" not in (Path(a.out) / f"{name}.log").read_text():
             raise SystemExit(f"[{name}] did not resume from the step-{half} checkpoint; see {Path(a.out) / f'{name}.log'}")
         got = losses(d)
-        resume = {"from": names[0], "to": names[1], "at_step": half, "max_diff": max(abs(got[s] - ref[s]) for s in range(half + 1, a.steps + 1))}
+        resume = {
+            "from": names[0],
+            "to": names[1],
+            "at_step": half,
+            "max_diff": max(abs(got[s] - ref[s]) for s in range(half + 1, a.steps + 1)),
+        }
 
     base = results["gpu1"]["tokens_per_gpu"]
     print(f"\n{a.config}, global batch {a.global_batch}, micro-batch {a.micro_batch}, {a.steps} steps; bound {bound:.6f}\n")
@@ -170,13 +206,17 @@ def main() -> None:
     for name, r in results.items():
         within = r["max_diff"] <= bound
         ok &= within
-        print(f"| {name} | {r['tp']} | {r['pp']} | {r['dp']} | {r['max_diff']:.6f} | {'yes' if within else 'NO'} | "
-              f"{r['tokens_per_gpu']:,.0f} | {r['tokens_per_gpu'] / base:.2f} |")
+        print(
+            f"| {name} | {r['tp']} | {r['pp']} | {r['dp']} | {r['max_diff']:.6f} | {'yes' if within else 'NO'} | "
+            f"{r['tokens_per_gpu']:,.0f} | {r['tokens_per_gpu'] / base:.2f} |"
+        )
     if resume is not None:
         within = resume["max_diff"] <= bound
         ok &= within
-        print(f"\nresume: {resume['from']} checkpoint at step {resume['at_step']} continued as {resume['to']}: "
-              f"max abs loss diff vs 1 GPU over steps {half + 1}-{a.steps} {resume['max_diff']:.6f} ({'within' if within else 'OUTSIDE'} the bound)")
+        print(
+            f"\nresume: {resume['from']} checkpoint at step {resume['at_step']} continued as {resume['to']}: "
+            f"max abs loss diff vs 1 GPU over steps {half + 1}-{a.steps} {resume['max_diff']:.6f} ({'within' if within else 'OUTSIDE'} the bound)"
+        )
     (Path(a.out) / "summary.json").write_text(json.dumps({"bound": bound, "layouts": results, "resume": resume, "args": vars(a)}, indent=1))
     sys.exit(0 if ok else 1)
 

@@ -78,8 +78,10 @@ def main():
 def idle_gaps(prof, steps: int, top: int = 12) -> None:
     """GPU idle time between consecutive kernels, and the largest gaps with the kernels around
     them (a gap is the GPU waiting for the CPU to launch, or for a host sync)."""
-    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                      if e.device_type.name == "CUDA" and "#" not in e.name), key=lambda k: k[0])
+    kernels = sorted(
+        ((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA" and "#" not in e.name),
+        key=lambda k: k[0],
+    )
     gaps, end, prev = [], None, ""
     for start, stop, name in kernels:
         if end is not None and start > end:
@@ -88,8 +90,10 @@ def idle_gaps(prof, steps: int, top: int = 12) -> None:
             end, prev = stop, name
     idle = sum(g for g, _, _ in gaps) / 1e3
     span = (kernels[-1][1] - kernels[0][0]) / 1e3 if kernels else 0.0
-    print(f"\nGPU idle between kernels: {idle / steps:.1f} ms/step of {span / steps:.1f} ms/step spanned; "
-          f"{sum(1 for g in gaps if g[0] > 20) // steps} gaps over 20 us per step")
+    print(
+        f"\nGPU idle between kernels: {idle / steps:.1f} ms/step of {span / steps:.1f} ms/step spanned; "
+        f"{sum(1 for g in gaps if g[0] > 20) // steps} gaps over 20 us per step"
+    )
     print("\n| gap us | after | before |\n| --- | --- | --- |")
     for g, a, b in sorted(gaps, reverse=True)[:top]:
         print(f"| {g:.0f} | {a[:60]} | {b[:60]} |")

@@ -25,9 +25,9 @@ clipping 1.0.
 from __future__ import annotations
 
 import argparse
-import logging
 import gc
 import json
+import logging
 import random
 import sys
 from pathlib import Path
@@ -58,7 +58,7 @@ def make_samples(n, max_len, vocab, seed=0):
         length = int(min(max_len, max(32, rng.lognormvariate(5.7, 0.8))))  # median ~300
         tokens = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
         mask = torch.zeros(length)
-        mask[int(0.4 * length):] = 1.0
+        mask[int(0.4 * length) :] = 1.0
         out.append({"tokens": tokens, "labels": tokens.roll(-1), "loss_mask": mask})
     return out
 
@@ -98,9 +98,17 @@ def main():
         psp = p.packed_seq_params()
         psp.cu_seqlens_q = psp.cu_seqlens_q.cuda()
         psp.cu_seqlens_kv = psp.cu_seqlens_kv.cuda()
-        packed.append({"tokens": p.tokens.cuda(), "labels": p.labels.cuda(), "loss_mask": p.loss_mask.cuda(),
-                       "loss_weights": p.loss_mask.cuda(), "packed_seq_params": psp,
-                       "real": sum(lengths[i] for i in b), "slots": a.pack_len})
+        packed.append(
+            {
+                "tokens": p.tokens.cuda(),
+                "labels": p.labels.cuda(),
+                "loss_mask": p.loss_mask.cuda(),
+                "loss_weights": p.loss_mask.cuda(),
+                "packed_seq_params": psp,
+                "real": sum(lengths[i] for i in b),
+                "slots": a.pack_len,
+            }
+        )
 
     def padded_rows(k, pad_to):
         group = [samples[order[(k * a.micro_batch + j) % len(order)]] for j in range(a.micro_batch)]
@@ -112,13 +120,23 @@ def main():
         for j, s in enumerate(group):
             n = s["tokens"].numel()
             tok[j, :n], lab[j, :n], mask[j, :n], attn[j, :n] = s["tokens"], s["labels"], s["loss_mask"], 1
-        return {"tokens": tok.cuda(), "labels": lab.cuda(), "loss_mask": mask.cuda(), "loss_weights": mask.cuda(), "attention_mask": attn.cuda(),
-                "real": sum(s["tokens"].numel() for s in group), "slots": a.micro_batch * width}
+        return {
+            "tokens": tok.cuda(),
+            "labels": lab.cuda(),
+            "loss_mask": mask.cuda(),
+            "loss_weights": mask.cuda(),
+            "attention_mask": attn.cuda(),
+            "real": sum(s["tokens"].numel() for s in group),
+            "slots": a.micro_batch * width,
+        }
 
     unpacked = [padded_rows(k, a.max_len) for k in range(n_steps)]
     dynamic = [padded_rows(k, None) for k in range(n_steps)]
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; {len(samples)} samples, mean length {sum(lengths) / len(lengths):.0f}, "
-          f"whole-set packing efficiency {packing_efficiency(lengths, bins, a.pack_len):.1%} into {a.pack_len}-token rows", flush=True)
+    print(
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; {len(samples)} samples, mean length {sum(lengths) / len(lengths):.0f}, "
+        f"whole-set packing efficiency {packing_efficiency(lengths, bins, a.pack_len):.1%} into {a.pack_len}-token rows",
+        flush=True,
+    )
 
     def hf_trainer_style():
         step0, keep = hf_step(mcfg, dynamic[0]["tokens"], compile_=False)
@@ -145,13 +163,16 @@ def main():
     for name, (build, data) in setups.items():
         step, keep, attn = build()
         ms, mem = timed(step, a.warmup, a.steps)
-        timed_batches = data[a.warmup:a.warmup + a.steps]
+        timed_batches = data[a.warmup : a.warmup + a.steps]
         real = sum(b["real"] for b in timed_batches)
         slots = sum(b["slots"] for b in timed_batches)
         tps = real / (ms * a.steps / 1e3)
         results[name] = {"ms_per_step": ms, "real_tokens_per_s": tps, "efficiency": real / slots, "peak_gib": mem, "attention": attn}
-        print(f"{name}: {ms:.1f} ms/step, {tps:,.0f} real tok/s, efficiency {real / slots:.1%}, peak {mem:.1f} GiB"
-              + (f", varlen attention {attn}" if attn else ""), flush=True)
+        print(
+            f"{name}: {ms:.1f} ms/step, {tps:,.0f} real tok/s, efficiency {real / slots:.1%}, peak {mem:.1f} GiB"
+            + (f", varlen attention {attn}" if attn else ""),
+            flush=True,
+        )
         del step, keep
         gc.collect()
         torch.cuda.empty_cache()

@@ -33,7 +33,6 @@ def _pkgs() -> list[tuple[str, str]]:
 
 def info() -> int:
     import torch
-
     from loongforge.core.recipes import recipes, shipped_configs
     from loongforge.core.registry import registry
 
@@ -72,7 +71,6 @@ def info() -> int:
 
 def doctor() -> int:
     import torch
-
     from loongforge.core.accelerator import get_accelerator
     from loongforge.core.foundation.families import LLAMA
     from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
@@ -94,8 +92,9 @@ def doctor() -> int:
 
 def parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="loongforge", description="LoongForge: train any installed recipe; inspect the install.",
-                                epilog=EXAMPLES, formatter_class=fmt)
+    p = argparse.ArgumentParser(
+        prog="loongforge", description="LoongForge: train any installed recipe; inspect the install.", epilog=EXAMPLES, formatter_class=fmt
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a recipe from a YAML or shipped config", epilog=TRAIN_EXAMPLES, formatter_class=fmt)
     t.add_argument("config", help="YAML file, or a shipped config name (tiny, sft, llm/tiny)")

@@ -66,7 +66,6 @@ def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], 
             return 2
         finally:
             import torch.distributed as dist
-
             from loongforge.core.accelerator import release_accelerator
 
             if dist.is_available() and dist.is_initialized():

@@ -18,4 +18,3 @@ def programs_for(device: torch.device, rows: int, per_sm: int = 8) -> int:
     """A persistent grid: a few programs per SM (4 on the CPU interpreter), at most one per row."""
     sms = num_sms(device.index or 0) if device.type == "cuda" else 1
     return max(1, min(rows, sms * per_sm if device.type == "cuda" else 4))
-

@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-
 from loongforge.core.ops import reference
 
 BLOCK = 1024  # with NUM_WARPS the fastest of run 11's sweep (93% of copy over the 1.3B model's tensors)
@@ -30,8 +29,25 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _adamw_tensor(P, G, M, V, COEF, SCALE, FOUND_INF, n, lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                  HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_tensor(
+    P,
+    G,
+    M,
+    V,
+    COEF,
+    SCALE,
+    FOUND_INF,
+    n,
+    lr_wd,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    HAS_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if HAS_FOUND_INF:  # a skipped step reads and writes nothing
         n = tl.where(tl.load(FOUND_INF) == 0, n, 0)
@@ -63,13 +79,33 @@ def coefficients(steps: list, lr: float, beta1: float, beta2: float) -> torch.Te
 
 
 def _own_launch(p, g, m, v) -> bool:
-    return (p.numel() >= MIN_NUMEL and p.dtype in _DTYPES and g.dtype in _DTYPES and m.dtype == v.dtype and m.dtype in _DTYPES
-            and all(t.is_contiguous() for t in (p, g, m, v)))
+    return (
+        p.numel() >= MIN_NUMEL
+        and p.dtype in _DTYPES
+        and g.dtype in _DTYPES
+        and m.dtype == v.dtype
+        and m.dtype in _DTYPES
+        and all(t.is_contiguous() for t in (p, g, m, v))
+    )
 
 
-def adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *, lr: float, beta1: float, beta2: float,
-          weight_decay: float, eps: float, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
-          block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
+def adamw(
+    params: list,
+    grads: list,
+    exp_avgs: list,
+    exp_avg_sqs: list,
+    steps: list,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+    block: int = BLOCK,
+    num_warps: int = NUM_WARPS,
+) -> None:
     """The op-table `adamw` (core's reference has its contract); `block` and `num_warps` are the
     own launches' parameters, exposed for the benchmark's sweep."""
     own, rest = [], []
@@ -83,10 +119,34 @@ def adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: l
             n = params[i].numel()
             # Triton's float scalars are fp32, so 1 - beta is formed here in double and rounded
             # once: 1 - fp32(0.999) would be 1.3e-5 (110 fp32 eps) below 0.001.
-            _adamw_tensor[(triton.cdiv(n, block),)](params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], coef[row], scale, skip, n,
-                                                    lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
-                                                    HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-                                                    BLOCK=block, num_warps=num_warps)
+            _adamw_tensor[(triton.cdiv(n, block),)](
+                params[i],
+                grads[i],
+                exp_avgs[i],
+                exp_avg_sqs[i],
+                coef[row],
+                scale,
+                skip,
+                n,
+                lr * weight_decay,
+                beta1,
+                1.0 - beta1,
+                beta2,
+                1.0 - beta2,
+                eps,
+                HAS_SCALE=grad_scale is not None,
+                HAS_FOUND_INF=found_inf is not None,
+                BLOCK=block,
+                num_warps=num_warps,
+            )
     if rest:
-        reference.adamw(*([lst[i] for i in rest] for lst in (params, grads, exp_avgs, exp_avg_sqs, steps)), lr=lr, beta1=beta1,
-                        beta2=beta2, weight_decay=weight_decay, eps=eps, grad_scale=grad_scale, found_inf=found_inf)
+        reference.adamw(
+            *([lst[i] for i in rest] for lst in (params, grads, exp_avgs, exp_avg_sqs, steps)),
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from loongforge.core.ops import reference
 
 LOGITS_BUDGET = 128 << 20  # Liger's chunk: grad_w + grad_h + one chunk of logits is all the extra memory
@@ -23,8 +22,9 @@ SCALE_BLOCK = 4096
 
 
 @triton.jit
-def _ce_rows(LOGITS, stride_l, LABELS, WEIGHTS, LOSS, V, ignore_index, smoothing, HAS_GRAD: tl.constexpr, SMOOTH: tl.constexpr,
-             BLOCK_V: tl.constexpr):
+def _ce_rows(
+    LOGITS, stride_l, LABELS, WEIGHTS, LOSS, V, ignore_index, smoothing, HAS_GRAD: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_V: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_l
     label = tl.load(LABELS + row).to(tl.int64)
@@ -77,8 +77,20 @@ def _scale_(x: torch.Tensor, s: torch.Tensor) -> None:
 def ce_rows(logits, labels, token_weights, loss, ignore_index, smoothing, has_grad, block_v=None, num_warps=None) -> None:
     """Each row's loss into `loss`, and with `has_grad` its logit gradient over the row in place
     (exposed with its launch parameters for the benchmark's sweep)."""
-    _ce_rows[(logits.shape[0],)](logits, logits.stride(0), labels, token_weights, loss, logits.shape[1], ignore_index, smoothing,
-                                 HAS_GRAD=has_grad, SMOOTH=smoothing != 0.0, BLOCK_V=block_v or BLOCK_V, num_warps=(num_warps or CE_WARPS) if logits.is_cuda else 4)
+    _ce_rows[(logits.shape[0],)](
+        logits,
+        logits.stride(0),
+        labels,
+        token_weights,
+        loss,
+        logits.shape[1],
+        ignore_index,
+        smoothing,
+        HAS_GRAD=has_grad,
+        SMOOTH=smoothing != 0.0,
+        BLOCK_V=block_v or BLOCK_V,
+        num_warps=(num_warps or CE_WARPS) if logits.is_cuda else 4,
+    )
 
 
 def _compute_dtype(h: torch.Tensor) -> torch.dtype:
@@ -124,8 +136,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.consumed:  # checked before unpacking: autograd's own message would blame an in-place op
-            raise RuntimeError("linear_cross_entropy: the fused op's gradients were already used; backward through it runs once "
-                               "(retain_graph is not supported)")
+            raise RuntimeError(
+                "linear_cross_entropy: the fused op's gradients were already used; backward through it runs once "
+                "(retain_graph is not supported)"
+            )
         ctx.consumed = True
         grad_h, grad_w = ctx.saved_tensors
         # scaled in place on the device, skipped there when the incoming gradient is 1: no host
@@ -140,8 +154,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor,
-                         ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_weights: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
     if hidden.dim() != 2 or weight.dim() != 2 or not hidden.is_floating_point():
         return reference.linear_cross_entropy(hidden, weight, labels, token_weights, ignore_index, label_smoothing)
     return _LinearCrossEntropy.apply(hidden, weight, labels, token_weights, ignore_index, label_smoothing, torch.is_grad_enabled())

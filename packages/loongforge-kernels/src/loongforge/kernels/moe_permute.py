@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
 
@@ -91,8 +90,16 @@ def _combine_rows(x, pos, weights=None, **launch):
     n, k = pos.shape
     out = torch.empty((n, x.shape[1]), dtype=x.dtype, device=x.device)
     if n:
-        _combine[(n,)](x, pos, weights if weights is not None else pos, out, x.shape[1], k, HAS_W=weights is not None,
-                       **_blocks(k, x.shape[1], **launch))
+        _combine[(n,)](
+            x,
+            pos,
+            weights if weights is not None else pos,
+            out,
+            x.shape[1],
+            k,
+            HAS_W=weights is not None,
+            **_blocks(k, x.shape[1], **launch),
+        )
     return out
 
 

@@ -18,17 +18,47 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
 from loongforge.kernels.rope import pair_channels, token_angles
 
 
 @triton.jit
-def _qkv_rope(M, Q, K, V, POS, INV,
-              sms, smb, smg, sqs, sqb, sqh, sks, skb, skh, svs, svb, svh, spb, sps,
-              B, G, R, D, HALF, NBLOCKS, SIGN: tl.constexpr, BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr,
-              HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+def _qkv_rope(
+    M,
+    Q,
+    K,
+    V,
+    POS,
+    INV,
+    sms,
+    smb,
+    smg,
+    sqs,
+    sqb,
+    sqh,
+    sks,
+    skb,
+    skh,
+    svs,
+    svb,
+    svh,
+    spb,
+    sps,
+    B,
+    G,
+    R,
+    D,
+    HALF,
+    NBLOCKS,
+    SIGN: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Program tok * NBLOCKS + j takes slots [j*BLOCK_H, (j+1)*BLOCK_H) of token tok (s-major).
     Every load is issued before the angles are computed."""
     pid = tl.program_id(0)
@@ -54,12 +84,16 @@ def _qkv_rope(M, Q, K, V, POS, INV,
     mm = valid[:, None] & im[None, :]
 
     if BACKWARD:
-        x1 = (tl.load(Q + q_off + c1[None, :], mask=mq, other=0.0).to(tl.float32)
-              + tl.load(K + k_off + c1[None, :], mask=mk, other=0.0).to(tl.float32)
-              + tl.load(V + v_off + c1[None, :], mask=mv, other=0.0).to(tl.float32))
-        x2 = (tl.load(Q + q_off + c2[None, :], mask=mq, other=0.0).to(tl.float32)
-              + tl.load(K + k_off + c2[None, :], mask=mk, other=0.0).to(tl.float32)
-              + tl.load(V + v_off + c2[None, :], mask=mv, other=0.0).to(tl.float32))
+        x1 = (
+            tl.load(Q + q_off + c1[None, :], mask=mq, other=0.0).to(tl.float32)
+            + tl.load(K + k_off + c1[None, :], mask=mk, other=0.0).to(tl.float32)
+            + tl.load(V + v_off + c1[None, :], mask=mv, other=0.0).to(tl.float32)
+        )
+        x2 = (
+            tl.load(Q + q_off + c2[None, :], mask=mq, other=0.0).to(tl.float32)
+            + tl.load(K + k_off + c2[None, :], mask=mk, other=0.0).to(tl.float32)
+            + tl.load(V + v_off + c2[None, :], mask=mv, other=0.0).to(tl.float32)
+        )
     else:
         x1 = tl.load(M + m_off + c1[None, :], mask=mm, other=0.0).to(tl.float32)
         x2 = tl.load(M + m_off + c2[None, :], mask=mm, other=0.0).to(tl.float32)
@@ -75,9 +109,11 @@ def _qkv_rope(M, Q, K, V, POS, INV,
         if HAS_PASS:
             p = tl.arange(0, BLOCK_D)
             pc = ((p >= 2 * HALF) & (p < D))[None, :]
-            xp = (tl.load(Q + q_off + p[None, :], mask=is_q[:, None] & pc, other=0.0)
-                  + tl.load(K + k_off + p[None, :], mask=is_k[:, None] & pc, other=0.0)
-                  + tl.load(V + v_off + p[None, :], mask=is_v[:, None] & pc, other=0.0))
+            xp = (
+                tl.load(Q + q_off + p[None, :], mask=is_q[:, None] & pc, other=0.0)
+                + tl.load(K + k_off + p[None, :], mask=is_k[:, None] & pc, other=0.0)
+                + tl.load(V + v_off + p[None, :], mask=is_v[:, None] & pc, other=0.0)
+            )
             tl.store(M + m_off + p[None, :], xp, mask=valid[:, None] & pc)
     else:
         y1 = y1.to(Q.dtype.element_ty)
@@ -113,12 +149,40 @@ def _launch(mixed, q, k, v, pos, inv, r, interleaved, backward, block_h=16, num_
     nblocks = triton.cdiv(slots, block_h)
     if s * b:
         _qkv_rope[(s * b * nblocks,)](
-            mixed, q, k, v, pos, inv,
-            mixed.stride(0), mixed.stride(1), mixed.stride(2), q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), spb, pos.stride(1),
-            b, g, r, d, half, nblocks, SIGN=-1.0 if backward else 1.0, BACKWARD=backward, INTERLEAVED=interleaved,
-            HAS_PASS=2 * half < d, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps,
+            mixed,
+            q,
+            k,
+            v,
+            pos,
+            inv,
+            mixed.stride(0),
+            mixed.stride(1),
+            mixed.stride(2),
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            spb,
+            pos.stride(1),
+            b,
+            g,
+            r,
+            d,
+            half,
+            nblocks,
+            SIGN=-1.0 if backward else 1.0,
+            BACKWARD=backward,
+            INTERLEAVED=interleaved,
+            HAS_PASS=2 * half < d,
+            BLOCK_H=block_h,
+            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_D=triton.next_power_of_2(d),
+            num_warps=num_warps,
         )
 
 
@@ -141,15 +205,25 @@ class _QKVRope(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         positions, inv_freq = ctx.saved_tensors
         dmixed = torch.empty(ctx.shape, dtype=dq.dtype, device=dq.device)
-        _launch(dmixed, _last_dim_contiguous(dq), _last_dim_contiguous(dk), _last_dim_contiguous(dv), positions, inv_freq,
-                ctx.r, ctx.interleaved, backward=True)
+        _launch(
+            dmixed,
+            _last_dim_contiguous(dq),
+            _last_dim_contiguous(dk),
+            _last_dim_contiguous(dv),
+            positions,
+            inv_freq,
+            ctx.r,
+            ctx.interleaved,
+            backward=True,
+        )
         return dmixed, None, None, None, None
 
 
-def qkv_rope(mixed: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, q_per_group: int,
-             interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_rope(
+    mixed: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, q_per_group: int, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s, b, g, width = mixed.shape
-    if (mixed.dtype not in KERNEL_DTYPES or width % (q_per_group + 2) or 2 * inv_freq.numel() > width // (q_per_group + 2)):
+    if mixed.dtype not in KERNEL_DTYPES or width % (q_per_group + 2) or 2 * inv_freq.numel() > width // (q_per_group + 2):
         return reference.qkv_rope(mixed, positions, inv_freq, q_per_group, interleaved)
     pos = positions.to(mixed.device)
     pos = pos if pos.dim() == 2 else pos[None]

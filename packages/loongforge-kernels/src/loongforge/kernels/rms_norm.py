@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES, programs_for
 
@@ -20,8 +19,24 @@ MAX_HIDDEN = 65536
 
 
 @triton.jit
-def _rms_norm_fwd(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, M, N, eps, HAS_RES: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_fwd(
+    X,
+    R,
+    W,
+    Y,
+    S,
+    RSTD,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_s,
+    M,
+    N,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK)
     rmask = rows < M
@@ -39,8 +54,25 @@ def _rms_norm_fwd(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, M
 
 
 @triton.jit
-def _rms_norm_bwd(DY, X, W, RSTD, DX, DS, DW, stride_dy, stride_x, stride_dx, stride_ds, M, N, rows_per_program,
-                  HAS_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_bwd(
+    DY,
+    X,
+    W,
+    RSTD,
+    DX,
+    DS,
+    DW,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    stride_ds,
+    M,
+    N,
+    rows_per_program,
+    HAS_DS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     cmask = cols < N
@@ -97,9 +129,25 @@ class _RMSNorm(torch.autograd.Function):
         block = triton.next_power_of_2(n)
         (block_m, warps), _ = launch_config(n)
         if m:
-            _rms_norm_fwd[(triton.cdiv(m, block_m),)](x2, r2 if r2 is not None else x2, weight, y, s if s is not None else x2, rstd,
-                       x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), s.stride(0) if s is not None else 0,
-                       m, n, eps, HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK=block, num_warps=warps)
+            _rms_norm_fwd[(triton.cdiv(m, block_m),)](
+                x2,
+                r2 if r2 is not None else x2,
+                weight,
+                y,
+                s if s is not None else x2,
+                rstd,
+                x2.stride(0),
+                r2.stride(0) if r2 is not None else 0,
+                y.stride(0),
+                s.stride(0) if s is not None else 0,
+                m,
+                n,
+                eps,
+                HAS_RES=residual is not None,
+                BLOCK_M=block_m,
+                BLOCK=block,
+                num_warps=warps,
+            )
         ctx.save_for_backward(s if s is not None else x2, weight, rstd)
         ctx.shape, ctx.has_res = x.shape, residual is not None
         y = y.view(*x.shape[:-1], n)
@@ -117,9 +165,26 @@ class _RMSNorm(torch.autograd.Function):
         progs = programs_for(x2.device, triton.cdiv(m, block_m), per_sm)
         dw_part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)
         if m:
-            _rms_norm_bwd[(progs,)](dy2, x2, weight, rstd, dx, ds2 if ds2 is not None else dy2, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0),
-                           ds2.stride(0) if ds2 is not None else 0, m, n, triton.cdiv(triton.cdiv(m, progs), block_m) * block_m,
-                           HAS_DS=ds2 is not None, BLOCK_M=block_m, BLOCK=block, num_warps=warps)
+            _rms_norm_bwd[(progs,)](
+                dy2,
+                x2,
+                weight,
+                rstd,
+                dx,
+                ds2 if ds2 is not None else dy2,
+                dw_part,
+                dy2.stride(0),
+                x2.stride(0),
+                dx.stride(0),
+                ds2.stride(0) if ds2 is not None else 0,
+                m,
+                n,
+                triton.cdiv(triton.cdiv(m, progs), block_m) * block_m,
+                HAS_DS=ds2 is not None,
+                BLOCK_M=block_m,
+                BLOCK=block,
+                num_warps=warps,
+            )
         dw = dw_part.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)
         dx = dx.view(ctx.shape)
         return dx, dw, None, (dx if ctx.has_res else None)

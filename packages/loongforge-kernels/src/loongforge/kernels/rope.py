@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
 
@@ -67,9 +66,38 @@ def _copy_unrotated(xb, ob, h, H, sxh, soh, D, HALF, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _rope(Q, K, QO, KO, POS, INV, sqb, sqs, sqh, skb, sks, skh, sob, sos, skob, skos, spb, sps, S, HQ, HK, D, HALF,
-          NBLOCKS, SIGN: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
-          BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope(
+    Q,
+    K,
+    QO,
+    KO,
+    POS,
+    INV,
+    sqb,
+    sqs,
+    sqh,
+    skb,
+    sks,
+    skh,
+    sob,
+    sos,
+    skob,
+    skos,
+    spb,
+    sps,
+    S,
+    HQ,
+    HK,
+    D,
+    HALF,
+    NBLOCKS,
+    SIGN: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Program tok * NBLOCKS + j rotates q heads and k heads [j*BLOCK_H, (j+1)*BLOCK_H) of the
     token with one cos/sin computation. Outputs are contiguous [b, s, heads, d]. Every load is
     issued before the angles are computed, so the q/k reads do not wait behind the position's."""
@@ -93,8 +121,16 @@ def _rope(Q, K, QO, KO, POS, INV, sqb, sqs, sqh, skb, sks, skh, sob, sos, skob, 
         _copy_unrotated(kb, kob, h, HK, skh, D, D, HALF, BLOCK_D)
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, sign: float,
-            block_h: int = BLOCK_H, num_warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    interleaved: bool,
+    sign: float,
+    block_h: int = BLOCK_H,
+    num_warps: int = WARPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Program j of a token rotates q heads and k heads [j*block_h, (j+1)*block_h): the k heads
     ride along in the first programs. (Giving every program an even share of k heads made the GQA
     tile [2, 64], too narrow for 16-byte accesses: 54-88% of copy against 95% for MHA, run 24.)
@@ -117,10 +153,37 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
     nblocks = triton.cdiv(heads, block_h)
     if b * s:
         _rope[(b * s * nblocks,)](
-            q, k, qo, ko, pos, inv_freq, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), spb, pos.stride(1), s, hq, hk, d, half,
-            nblocks, SIGN=sign, INTERLEAVED=interleaved, HAS_PASS=2 * half < d, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps,
+            q,
+            k,
+            qo,
+            ko,
+            pos,
+            inv_freq,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            qo.stride(0),
+            qo.stride(1),
+            ko.stride(0),
+            ko.stride(1),
+            spb,
+            pos.stride(1),
+            s,
+            hq,
+            hk,
+            d,
+            half,
+            nblocks,
+            SIGN=sign,
+            INTERLEAVED=interleaved,
+            HAS_PASS=2 * half < d,
+            BLOCK_H=block_h,
+            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_D=triton.next_power_of_2(d),
+            num_warps=num_warps,
         )
     return qo, ko
 
@@ -138,10 +201,17 @@ class _Rope(torch.autograd.Function):
         return *_launch(dq, dk, positions, inv_freq, ctx.interleaved, -1.0), None, None, None
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-         interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    if (q.dtype not in KERNEL_DTYPES or q.dtype != k.dtype or q.dim() != 4 or k.shape[:2] != q.shape[:2]
-            or k.shape[3] != q.shape[3] or 2 * inv_freq.numel() > q.shape[-1]):
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if (
+        q.dtype not in KERNEL_DTYPES
+        or q.dtype != k.dtype
+        or q.dim() != 4
+        or k.shape[:2] != q.shape[:2]
+        or k.shape[3] != q.shape[3]
+        or 2 * inv_freq.numel() > q.shape[-1]
+    ):
         return reference.rope(q, k, positions, inv_freq, interleaved)
     inv = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     pos = positions.to(q.device)

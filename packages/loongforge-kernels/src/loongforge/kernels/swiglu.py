@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
 
@@ -67,7 +66,9 @@ class _SwiGLU(torch.autograd.Function):
             d = d.contiguous()
         dgu = torch.empty_like(gu)
         if gu.shape[0]:
-            _swiglu_bwd[(gu.shape[0], triton.cdiv(f, BLOCK))](gu, d, dgu, gu.stride(0), d.stride(0), dgu.stride(0), f, BLOCK=BLOCK, num_warps=4)
+            _swiglu_bwd[(gu.shape[0], triton.cdiv(f, BLOCK))](
+                gu, d, dgu, gu.stride(0), d.stride(0), dgu.stride(0), f, BLOCK=BLOCK, num_warps=4
+            )
         return dgu.view(ctx.shape)
 
 

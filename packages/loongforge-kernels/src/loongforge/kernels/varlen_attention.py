@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-
 from loongforge.core.ops import reference
 
 

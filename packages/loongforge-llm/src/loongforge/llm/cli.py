@@ -31,14 +31,25 @@ PREPROCESS_EXAMPLES = """examples:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loongforge-llm", description="LLM training with LoongForge.", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="loongforge-llm",
+        description="LLM training with LoongForge.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train from a YAML config", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="YAML file, or the name of a shipped config (tiny)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=3e-4")
-    pp = sub.add_parser("preprocess", help="pretraining text -> megatron .bin/.idx; --sft: conversations -> packed parquet",
-                        epilog=PREPROCESS_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pp.add_argument("--input", nargs="+", required=True, help="jsonl/json/parquet/arrow/csv/txt files or directories (--sft: one file or directory)")
+    pp = sub.add_parser(
+        "preprocess",
+        help="pretraining text -> megatron .bin/.idx; --sft: conversations -> packed parquet",
+        epilog=PREPROCESS_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pp.add_argument(
+        "--input", nargs="+", required=True, help="jsonl/json/parquet/arrow/csv/txt files or directories (--sft: one file or directory)"
+    )
     pp.add_argument("--tokenizer", required=True, help="HF tokenizer directory, or 'tiny'")
     pp.add_argument("--output-prefix", help="pretraining: writes PREFIX.bin and PREFIX.idx")
     pp.add_argument("--text-key", default="text")
@@ -48,7 +59,9 @@ def parser() -> argparse.ArgumentParser:
     sft.add_argument("--output-dir", help="--sft: a new directory for the parquet shards (train with data.prepacked=DIR)")
     sft.add_argument("--format", default="alpaca", help="alpaca | sharegpt | openai")
     sft.add_argument("--keys", default="{}", help='field-name overrides as JSON, e.g. \'{"messages": "chat"}\'')
-    sft.add_argument("--template", default=None, help="built-in chat template (qwen2, qwen3, qwen3_thinking, llama3); default: the tokenizer's own")
+    sft.add_argument(
+        "--template", default=None, help="built-in chat template (qwen2, qwen3, qwen3_thinking, llama3); default: the tokenizer's own"
+    )
     sft.add_argument("--seq-length", type=int, default=4096)
     sft.add_argument("--no-packing", action="store_true", help="one padded sample per row")
     sft.add_argument("--train-on-prompt", action="store_true")
@@ -56,7 +69,9 @@ def parser() -> argparse.ArgumentParser:
     sft.add_argument("--append-eos", action="store_true")
     sft.add_argument("--on-bad-sample", default="skip", choices=["skip", "error"])
     sft.add_argument("--seed", type=int, default=1234, help="order of the samples before packing")
-    c = sub.add_parser("convert", help="HF <-> LoongForge checkpoints", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c = sub.add_parser(
+        "convert", help="HF <-> LoongForge checkpoints", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     c.add_argument("direction", choices=["hf-to-lf", "lf-to-hf", "lf-to-peft"])
     c.add_argument("src")
     c.add_argument("dst")
@@ -125,9 +140,15 @@ def preprocess_sft(args) -> int:
     except json.JSONDecodeError:
         raise UserError(f"--keys is not a JSON object: {args.keys}") from None
     d = SFTDataConfig(
-        datasets=[SFTDatasetConfig(path=args.input[0], format=args.format, keys=keys)], tokenizer=args.tokenizer, template=args.template,
-        seq_length=args.seq_length, packing=not args.no_packing, train_on_prompt=args.train_on_prompt, last_turn_only=args.last_turn_only,
-        append_eos=args.append_eos, on_bad_sample=args.on_bad_sample,
+        datasets=[SFTDatasetConfig(path=args.input[0], format=args.format, keys=keys)],
+        tokenizer=args.tokenizer,
+        template=args.template,
+        seq_length=args.seq_length,
+        packing=not args.no_packing,
+        train_on_prompt=args.train_on_prompt,
+        last_turn_only=args.last_turn_only,
+        append_eos=args.append_eos,
+        on_bad_sample=args.on_bad_sample,
     )
     print(json.dumps(write_prepacked(d, load_tokenizer(args.tokenizer), args.output_dir, args.seed)))
     return 0
@@ -135,7 +156,6 @@ def preprocess_sft(args) -> int:
 
 def generate(args) -> int:
     import torch
-
     from loongforge.core.data.text import load_tokenizer
     from loongforge.llm.model_io import load_model, tokenizer_dir_for
 

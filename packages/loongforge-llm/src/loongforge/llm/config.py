@@ -46,4 +46,3 @@ class PretrainConfig(RunSections):
 class SFTConfig(RunSections):
     recipe: str = "llm.sft"
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
-

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from loongforge.core.data.text import eod_id, load_rows
 from loongforge.core.errors import UserError
 
@@ -75,10 +74,9 @@ def parse_blend(data_path: list) -> tuple[list[str], list[float] | None]:
 def build_gpt_datasets(data_cfg, tokenizer, seed: int, num_samples: list[int], cache_dir: Path):
     """Train/valid/test megatron GPT datasets over the configured blend and split. Every rank
     holds them (megatron's builder writes the index cache on rank 0 first, the others read it)."""
+    from loongforge.llm.tokenizer import megatron_tokenizer
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-    from loongforge.llm.tokenizer import megatron_tokenizer
 
     prefixes, weights = parse_blend(data_cfg.data_path)
     config = GPTDatasetConfig(

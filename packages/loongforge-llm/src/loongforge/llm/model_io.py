@@ -9,16 +9,23 @@ import sys
 from pathlib import Path
 
 import torch
-
-from loongforge.core.checkpoint import CheckpointDir, checkpoint_manifest, find_checkpoint, load_megatron, read_manifest, save_megatron, verify_files
+from loongforge.core.checkpoint import (
+    CheckpointDir,
+    checkpoint_manifest,
+    find_checkpoint,
+    load_megatron,
+    read_manifest,
+    save_megatron,
+    verify_files,
+)
 from loongforge.core.data.text import copy_tokenizer
 from loongforge.core.errors import UserError
-from loongforge.core.outputs import require_new_dir
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf as hf_to_lf_state
 from loongforge.core.foundation.lora import LoRAConfig, is_adapter_key
 from loongforge.core.foundation.model import CausalLM, load_lf_state
 from loongforge.core.foundation.spec import ModelConfig
+from loongforge.core.outputs import require_new_dir
 from loongforge.core.registry import registry
 
 
@@ -179,9 +186,23 @@ def _existing_step(ckpt) -> Path:
 
 def run_converter_subprocess(direction: str, src, dst) -> None:
     """Run a conversion in a fresh single process (a TP/PP>1 process cannot hold a whole model)."""
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE")
+    launcher = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+    )
     env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
     env["LOONGFORGE_DEVICE"] = "cpu"
-    r = subprocess.run([sys.executable, "-m", "loongforge.llm.cli", "convert", direction, str(src), str(dst)], env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "loongforge.llm.cli", "convert", direction, str(src), str(dst)], env=env, capture_output=True, text=True
+    )
     if r.returncode != 0:
         raise UserError(f"conversion {direction} {src} -> {dst} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")

@@ -12,7 +12,6 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-
 from loongforge.core.accelerator import get_accelerator
 from loongforge.core.checkpoint import find_checkpoint, read_manifest, verify_files
 from loongforge.core.data import rank_micro_batches
@@ -50,29 +49,41 @@ def validate(cfg, mcfg: ModelConfig, tok) -> None:
     """The LLM-specific checks (core checks the batch sizes against the layout)."""
     par = cfg.parallel
     if mcfg.vocab_size % par.tensor_model_parallel_size:
-        raise UserError(f"model.vocab_size={mcfg.vocab_size} must be divisible by tensor_model_parallel_size={par.tensor_model_parallel_size}")
+        raise UserError(
+            f"model.vocab_size={mcfg.vocab_size} must be divisible by tensor_model_parallel_size={par.tensor_model_parallel_size}"
+        )
     if len(tok) > mcfg.vocab_size:
-        raise UserError(f"tokenizer has {len(tok)} tokens but model.vocab_size is {mcfg.vocab_size}; raise model.vocab_size or use a matching tokenizer")
+        raise UserError(
+            f"tokenizer has {len(tok)} tokens but model.vocab_size is {mcfg.vocab_size}; raise model.vocab_size or use a matching tokenizer"
+        )
     if cfg.data.seq_length > mcfg.max_position_embeddings:
         raise UserError(f"data.seq_length={cfg.data.seq_length} exceeds model.max_position_embeddings={mcfg.max_position_embeddings}")
     cfg.lora.validate()
     if cfg.lora.enabled and par.stack != "megatron":
         raise UserError("LoRA runs on the megatron stack: set parallel.stack=megatron (or lora.rank=0)")
     if cfg.checkpoint.load_optimizer and (not cfg.checkpoint.load or hf_io.is_hf_dir(cfg.checkpoint.load)):
-        raise UserError("checkpoint.load_optimizer=true takes the optimizer state of a LoongForge checkpoint: set checkpoint.load to one (HF directories hold none)")
+        raise UserError(
+            "checkpoint.load_optimizer=true takes the optimizer state of a LoongForge checkpoint: set checkpoint.load to one (HF directories hold none)"
+        )
     if cfg.checkpoint.load_optimizer:
         step = find_checkpoint(cfg.checkpoint.load)
         if step is not None and read_manifest(step)["trainer"]["optimizer_steps"] == 0:
             raise UserError(f"{step} holds no optimizer state (no optimizer step was taken); drop checkpoint.load_optimizer")
     if cfg.checkpoint.load_optimizer and cfg.lora.enabled:
-        raise UserError("checkpoint.load_optimizer=true cannot be combined with LoRA (the base checkpoint's optimizer state is for all weights)")
+        raise UserError(
+            "checkpoint.load_optimizer=true cannot be combined with LoRA (the base checkpoint's optimizer state is for all weights)"
+        )
     if cfg.lora.enabled and not cfg.checkpoint.load:
-        raise UserError("lora.rank > 0 trains adapters on frozen weights: set checkpoint.load to the base model (HF directory or LoongForge checkpoint)")
+        raise UserError(
+            "lora.rank > 0 trains adapters on frozen weights: set checkpoint.load to the base model (HF directory or LoongForge checkpoint)"
+        )
     if cfg.checkpoint.load and not hf_io.is_hf_dir(cfg.checkpoint.load):
         saved = checkpoint_stack(read_manifest(find_checkpoint(cfg.checkpoint.load)))
         if saved != par.stack:
-            raise UserError(f"checkpoint.load={cfg.checkpoint.load} was saved by the {saved} stack and parallel.stack={par.stack}: "
-                            f"export it first (`loongforge-llm convert lf-to-hf {cfg.checkpoint.load} OUT`) and load OUT")
+            raise UserError(
+                f"checkpoint.load={cfg.checkpoint.load} was saved by the {saved} stack and parallel.stack={par.stack}: "
+                f"export it first (`loongforge-llm convert lf-to-hf {cfg.checkpoint.load} OUT`) and load OUT"
+            )
 
 
 def check_same_model(saved: ModelConfig, wanted: ModelConfig, where: Path) -> None:
@@ -127,13 +138,18 @@ def pretrain_data(cfg, tok, dp_rank: int, dp_size: int, run_dir: Path, device) -
     t = cfg.train
     n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     train_ds, valid_ds, _ = text_data.build_gpt_datasets(
-        data_cfg, tok, t.seed, [t.train_iters * t.global_batch_size, max(1, n_evals * t.eval_iters * t.global_batch_size), 0],
+        data_cfg,
+        tok,
+        t.seed,
+        [t.train_iters * t.global_batch_size, max(1, n_evals * t.eval_iters * t.global_batch_size), 0],
         run_dir / "data" / "cache",
     )
 
     def step_mbs(ds, step):
-        return [stack_samples([ds[i % len(ds)] for i in idx], device)
-                for idx in rank_micro_batches(step, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size)]
+        return [
+            stack_samples([ds[i % len(ds)] for i in idx], device)
+            for idx in rank_micro_batches(step, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size)
+        ]
 
     def batches(start):
         step = start
@@ -180,7 +196,9 @@ class CausalLMTask(TrainingTask):
 
     def loss(self, model, mb):
         if self.megatron:
-            out = model(mb["tokens"], None, None, labels=mb["labels"], loss_mask=mb["loss_weights"], packed_seq_params=mb.get("packed_seq_params"))
+            out = model(
+                mb["tokens"], None, None, labels=mb["labels"], loss_mask=mb["loss_weights"], packed_seq_params=mb.get("packed_seq_params")
+            )
             if not model.post_process:
                 return out  # a pipeline stage before the last: its activations
         else:

@@ -28,7 +28,6 @@ import os
 from contextlib import nullcontext
 
 import torch
-
 from loongforge.core.errors import UserError
 
 

@@ -17,7 +17,6 @@ import warnings
 from pathlib import Path
 
 import torch
-
 from loongforge.core.checkpoint.megatron_io import Select
 
 _OPTIONS = dict(flatten_optimizer_state_dict=True)
@@ -62,8 +61,10 @@ def _state_dicts(model, optimizer, select: Select) -> tuple[dict, dict, dict]:
     if select is None:
         return model_sd, optim_sd, {"model": dict(model_sd), "optimizer": dict(optim_sd)}
     names = set(model_sd)
-    chosen = {"model": {k: v for k, v in model_sd.items() if select(k)},
-              "optimizer": {k: v for k, v in optim_sd.items() if (n := _param_name(k, names)) is None or select(n)}}
+    chosen = {
+        "model": {k: v for k, v in model_sd.items() if select(k)},
+        "optimizer": {k: v for k, v in optim_sd.items() if (n := _param_name(k, names)) is None or select(n)},
+    }
     return model_sd, optim_sd, chosen
 
 
@@ -116,8 +117,11 @@ def read_model_state(directory: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    model = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    model = {
+        k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
     with warnings.catch_warnings():  # DCP notes that it loads in one process, which is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": model}, checkpoint_id=str(directory), no_dist=True)

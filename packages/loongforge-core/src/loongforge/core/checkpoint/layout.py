@@ -68,8 +68,9 @@ def find_checkpoint(path) -> Path | None:
     return None
 
 
-def checkpoint_manifest(run_identity: str | None, config: dict, parallel: dict, trainer_state: dict, rng: dict,
-                        trainable_only: bool = False) -> dict:
+def checkpoint_manifest(
+    run_identity: str | None, config: dict, parallel: dict, trainer_state: dict, rng: dict, trainable_only: bool = False
+) -> dict:
     """What a step directory's manifest says besides its files (every writer uses this):
     the run's identity and config, the parallel layout it was saved at, the trainer's counters,
     the RNG states (base64) and whether only trainable tensors are in it. `CheckpointDir.commit`

@@ -79,10 +79,9 @@ def load_full_state(model, state: dict, skip: Select = None) -> None:
     `sharded_state_dict` (factories such as the SwiGLU fc1 split built into their parts, which
     are views of the parameters) takes its slice of the full tensor by its global offset.
     `skip(name)` leaves model tensors out (LoRA adapters the state lacks)."""
+    from loongforge.core.errors import UserError
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    from loongforge.core.errors import UserError
 
     def tensors(x):
         for v in nested_values(x):

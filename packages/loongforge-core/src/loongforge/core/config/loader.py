@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
+from loongforge.core.errors import UserError
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-
-from loongforge.core.errors import UserError
 
 
 def _read_yaml(path: Path, search: Iterable[Path], seen: tuple = ()) -> dict:
@@ -91,4 +90,3 @@ def load_config(schema, path: str | Path | None = None, overrides: Iterable[str]
             msg = str(e).splitlines()[0]
             raise UserError(f"config key '{key}': {msg}") from None
     return OmegaConf.to_object(base)
-

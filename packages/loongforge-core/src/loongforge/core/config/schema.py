@@ -55,7 +55,9 @@ class TrainConfig:
 class CheckpointConfig:
     run_dir: str = "runs/default"
     load: Optional[str] = None  # HF model directory or LoongForge checkpoint to start from
-    load_optimizer: bool = False  # with a LoongForge checkpoint.load: also take its AdamW state (the step count and LR schedule start fresh)
+    load_optimizer: bool = (
+        False  # with a LoongForge checkpoint.load: also take its AdamW state (the step count and LR schedule start fresh)
+    )
     resume: bool = False  # continue from run_dir's checkpoints even if the config changed
     overwrite: bool = False  # move another run's checkpoints in run_dir aside and start fresh
     export_hf: bool = True  # write an HF directory at the end of training

@@ -6,7 +6,6 @@ import bisect
 from dataclasses import dataclass
 
 import torch
-
 from loongforge.core.errors import UserError
 
 
@@ -50,8 +49,13 @@ class Pack:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-                               max_seqlen_q=int(lens.max()), max_seqlen_kv=int(lens.max()))
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=int(lens.max()),
+            max_seqlen_kv=int(lens.max()),
+        )
 
 
 def pack_samples(samples: list[dict], bin_indices: list[int], seq_length: int, pad_id: int, align: int = 1) -> Pack:

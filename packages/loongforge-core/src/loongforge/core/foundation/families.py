@@ -33,8 +33,9 @@ LLAMA_STYLE_TABLE = (
     Row("output_layer.weight", ("lm_head.weight",), optional=True),
 )
 
-LLAMA = FamilySpec("llama", "llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False, mapping=LLAMA_STYLE_TABLE,
-                   hf_extra_config=(("mlp_bias", False),))
+LLAMA = FamilySpec(
+    "llama", "llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False, mapping=LLAMA_STYLE_TABLE, hf_extra_config=(("mlp_bias", False),)
+)
 QWEN2 = FamilySpec("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, mapping=LLAMA_STYLE_TABLE, hf_qkv_bias_key=None)
 QWEN3 = FamilySpec("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, mapping=LLAMA_STYLE_TABLE)
 

@@ -7,10 +7,9 @@ import os
 from pathlib import Path
 
 import torch
-
 from loongforge.core.errors import UserError
-from loongforge.core.outputs import require_new_dir
 from loongforge.core.foundation.spec import FamilySpec, ModelConfig
+from loongforge.core.outputs import require_new_dir
 
 SHARD_BYTES = 4 * 1024**3
 
@@ -145,7 +144,9 @@ def save_hf(out_dir, fam: FamilySpec, cfg: ModelConfig, hf_state: dict, dtype=to
             weight_map.update({k: name for k in shard})
         if len(shards) > 1:
             total = sum(v.numel() * v.element_size() for s in shards for v in s.values())
-            (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(fam, cfg, dtype, extra_config), indent=2))
 
     _write_new_dir(out_dir, write)

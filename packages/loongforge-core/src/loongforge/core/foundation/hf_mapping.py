@@ -13,7 +13,6 @@ import string
 from dataclasses import dataclass
 
 import torch
-
 from loongforge.core.errors import UserError
 
 
@@ -131,4 +130,3 @@ def lora_to_peft(table, lf_state: dict, cfg) -> tuple[dict, list[str]]:
                 out[f"base_model.model.{mod}.lora_B.weight"] = b.detach().clone().contiguous()
                 modules.append(mod)
     return out, modules
-

@@ -10,12 +10,11 @@ loads without any name mapping and an export is `save_hf(dir, family, cfg, model
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_io import hf_config_dict
 from loongforge.core.foundation.spec import FamilySpec, ModelConfig
 from loongforge.core.ops import OpTable
+from torch import nn
 
 PREFIX = "hf."  # where the HF model's tensors sit in this module's own state dict
 
@@ -36,8 +35,9 @@ class HFCausalLMWithLoss(nn.Module):
             return hidden @ weight.to(hidden.dtype).T
         if loss_weights is None:
             loss_weights = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
-        return self.ops.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                             loss_weights.reshape(-1).float())
+        return self.ops.linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), loss_weights.reshape(-1).float()
+        )
 
     def blocks(self) -> list[nn.Module]:
         """The decoder layers, the unit of FSDP sharding, recompute and compilation."""
@@ -75,8 +75,10 @@ class HFCausalLMWithLoss(nn.Module):
         if missing:
             raise UserError(f"HF weights lack {missing[0]} ({len(missing)} missing); they do not match this model's config")
         if unexpected:
-            raise UserError(f"HF weights hold {unexpected[0]}, which this model does not have ({len(unexpected)} unexpected); "
-                            "check the model config against the checkpoint's config.json")
+            raise UserError(
+                f"HF weights hold {unexpected[0]}, which this model does not have ({len(unexpected)} unexpected); "
+                "check the model config against the checkpoint's config.json"
+            )
         out = {PREFIX + k: hf_state[k] for k in saved}
         out.update({PREFIX + alias: hf_state[target] for alias, target in aliases.items()})
         return out
@@ -86,8 +88,9 @@ class HFCausalLMWithLoss(nn.Module):
         self.load_state_dict(self.state_from_hf(hf_state), strict=True)
 
 
-def build_hf_causal_lm(family: FamilySpec, cfg: ModelConfig, ops: OpTable | None = None,
-                       params_dtype: torch.dtype = torch.float32) -> HFCausalLMWithLoss:
+def build_hf_causal_lm(
+    family: FamilySpec, cfg: ModelConfig, ops: OpTable | None = None, params_dtype: torch.dtype = torch.float32
+) -> HFCausalLMWithLoss:
     """The family's HF model from `cfg` (randomly initialized as HF does, on the CPU), wrapped
     with our loss. The config goes through the same `hf_config_dict` an export writes, so a
     trained model and its export agree."""

@@ -10,9 +10,8 @@ import functools
 from typing import Optional
 
 import torch
-from torch import nn
-
 from loongforge.core.ops import OpTable
+from torch import nn
 
 
 class RMSNorm(nn.Module):
@@ -113,7 +112,8 @@ def fused_qkv_attention_class():
             self.ops = ops or OpTable()
             core = self.core_attention
             self.fused = (
-                isinstance(core, RotarySDPAttention) and core.inv_freq is not None
+                isinstance(core, RotarySDPAttention)
+                and core.inv_freq is not None
                 and all(n is None or isinstance(n, IdentityOp) for n in (self.q_layernorm, self.k_layernorm))
                 and not getattr(config, "attention_output_gate", False)
                 and not config.no_rope_freq
@@ -122,12 +122,29 @@ def fused_qkv_attention_class():
                 and not any(getattr(self, f, False) for f in ("offload_qkv_linear", "offload_core_attention", "offload_attn_proj"))
             )
 
-        def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
-                    rotary_pos_emb=None, attention_bias=None, packed_seq_params=None, **kwargs):
+        def forward(
+            self,
+            hidden_states,
+            attention_mask=None,
+            key_value_states=None,
+            inference_context=None,
+            rotary_pos_emb=None,
+            attention_bias=None,
+            packed_seq_params=None,
+            **kwargs,
+        ):
             special = (key_value_states, inference_context, rotary_pos_emb, attention_bias, *kwargs.values())
             if not self.fused or any(x is not None for x in special):
-                return super().forward(hidden_states, attention_mask, key_value_states=key_value_states, inference_context=inference_context,
-                                       rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
+                return super().forward(
+                    hidden_states,
+                    attention_mask,
+                    key_value_states=key_value_states,
+                    inference_context=inference_context,
+                    rotary_pos_emb=rotary_pos_emb,
+                    attention_bias=attention_bias,
+                    packed_seq_params=packed_seq_params,
+                    **kwargs,
+                )
             mixed, _ = self.linear_qkv(hidden_states)
             s, b = mixed.shape[:2]
             groups = self.num_query_groups_per_partition
@@ -198,18 +215,49 @@ def fused_residual_layer_class():
                 and not getattr(self, "is_moe_layer", False)
             )
 
-        def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, rotary_pos_emb=None,
-                    rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None, packed_seq_params=None,
-                    **kwargs):
-            special = (context, context_mask, rotary_pos_cos, rotary_pos_sin, inference_context,
-                       *(v for k, v in kwargs.items() if k != "padding_mask"))
+        def forward(
+            self,
+            hidden_states,
+            attention_mask=None,
+            context=None,
+            context_mask=None,
+            rotary_pos_emb=None,
+            rotary_pos_cos=None,
+            rotary_pos_sin=None,
+            attention_bias=None,
+            inference_context=None,
+            packed_seq_params=None,
+            **kwargs,
+        ):
+            special = (
+                context,
+                context_mask,
+                rotary_pos_cos,
+                rotary_pos_sin,
+                inference_context,
+                *(v for k, v in kwargs.items() if k != "padding_mask"),
+            )
             if not self.fused or any(x is not None for x in special):
-                return super().forward(hidden_states, attention_mask=attention_mask, context=context, context_mask=context_mask,
-                                       rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                                       attention_bias=attention_bias, inference_context=inference_context,
-                                       packed_seq_params=packed_seq_params, **kwargs)
-            attn, _ = self.self_attention(self.input_layernorm(hidden_states), attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                          attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+                return super().forward(
+                    hidden_states,
+                    attention_mask=attention_mask,
+                    context=context,
+                    context_mask=context_mask,
+                    rotary_pos_emb=rotary_pos_emb,
+                    rotary_pos_cos=rotary_pos_cos,
+                    rotary_pos_sin=rotary_pos_sin,
+                    attention_bias=attention_bias,
+                    inference_context=inference_context,
+                    packed_seq_params=packed_seq_params,
+                    **kwargs,
+                )
+            attn, _ = self.self_attention(
+                self.input_layernorm(hidden_states),
+                attention_mask=attention_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
             norm = self.pre_mlp_layernorm
             normed, hidden = self.ops.add_rms_norm(attn, hidden_states, norm.weight, norm.eps)
             out, _ = self.mlp(normed, padding_mask=kwargs.get("padding_mask"))

@@ -29,7 +29,6 @@ from typing import List
 
 import torch
 import torch.nn.functional as F
-
 from loongforge.core.errors import UserError
 
 # The decoder layer's linears: megatron name -> the HF linears it fuses.
@@ -157,8 +156,9 @@ def lora_linear_classes():
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             sd = self.state_dict(prefix="", keep_vars=True)
-            return make_sharded_tensors_for_checkpoint(sd, prefix, self.lora_axes, sharded_offsets, tp_group=self.tp_group,
-                                                       dp_cp_group=metadata["dp_cp_group"])
+            return make_sharded_tensors_for_checkpoint(
+                sd, prefix, self.lora_axes, sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]
+            )
 
     class LoRAColumnParallelLinear(_Adapters, ColumnParallelLinear):
         lora_axes = {"weight": 0, "bias": 0, "lora_b": 0}

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf, lora_to_peft
 from loongforge.core.foundation.lora import LoRAConfig, is_adapter_key, merged_state
 from loongforge.core.foundation.spec import FamilySpec, ModelConfig, build_gpt_model
+from torch import nn
 
 
 def local_state(gpt: nn.Module) -> dict:

@@ -10,7 +10,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
 from loongforge.core.errors import UserError
 from loongforge.core.ops import OpTable
 from loongforge.core.ops.reference import rope_inv_freq
@@ -130,6 +129,15 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
     from `first_layer`): megatron's parallel linears, attention block and MLP block; every norm
     (the final one too), the rotary attention core and the SwiGLU activation compute through the
     op table. Linears that `lora` (a LoRAConfig) targets get their LoRA class."""
+    from loongforge.core.foundation.layers import (
+        RMSNorm,
+        RotarySDPAttention,
+        fused_qkv_attention_class,
+        fused_residual_layer_class,
+        swiglu_mlp_class,
+    )
+    from loongforge.core.foundation.lora import linear_spec
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
@@ -138,11 +146,6 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-
-    from loongforge.core.foundation.layers import (RMSNorm, RotarySDPAttention, fused_qkv_attention_class, fused_residual_layer_class,
-                                                   swiglu_mlp_class)
-    from loongforge.core.foundation.lora import linear_spec
 
     rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
     inv_freq = rope_inv_freq(rotary_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -175,13 +178,18 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
                     module=swiglu_mlp_class(),
                     # megatron passes its TP group only to modules that are exactly its MLP class
                     params={"ops": ops, "tp_group": tp_group},
-                    submodules=MLPSubmodules(linear_fc1=linear("mlp.linear_fc1", ColumnParallelLinear), linear_fc2=linear("mlp.linear_fc2", RowParallelLinear)),
+                    submodules=MLPSubmodules(
+                        linear_fc1=linear("mlp.linear_fc1", ColumnParallelLinear), linear_fc2=linear("mlp.linear_fc2", RowParallelLinear)
+                    ),
                 ),
                 mlp_bda=get_bias_dropout_add,
             ),
         )
 
-    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer(first_layer + j) for j in range(num_layers)], layer_norm=norm))
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer(first_layer + j) for j in range(num_layers)], layer_norm=norm),
+    )
 
 
 @functools.cache
@@ -205,8 +213,9 @@ def gpt_model_class():
             if self.output_layer.tp_group.size() == 1:
                 weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else self.output_layer.weight
                 # hidden states are [s, b, h]; labels and weights [b, s]
-                return self.ops.linear_cross_entropy(hidden_states.reshape(-1, hidden_states.shape[-1]), weight,
-                                                     labels.t().reshape(-1), weights.t().reshape(-1).float())
+                return self.ops.linear_cross_entropy(
+                    hidden_states.reshape(-1, hidden_states.shape[-1]), weight, labels.t().reshape(-1), weights.t().reshape(-1).float()
+                )
             per_token = super()._postprocess(hidden_states, **{**kw, "loss_mask": None})
             return (per_token.float() * weights).sum()
 

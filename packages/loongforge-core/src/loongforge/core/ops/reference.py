@@ -23,9 +23,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(s, weight, eps), s
 
 
-def rope_inv_freq(
-    rotary_dim: int, base: float, scaling: Optional[dict] = None
-) -> torch.Tensor:
+def rope_inv_freq(rotary_dim: int, base: float, scaling: Optional[dict] = None) -> torch.Tensor:
     """Inverse frequencies for rotary embeddings over `rotary_dim` channels.
 
     `scaling` follows HF's `rope_scaling` dict; supported: None, {"rope_type": "default"},
@@ -55,8 +53,9 @@ def rope_inv_freq(
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-         interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of an attention layer's queries and keys (one op, so that kernels rotate
     both in one pass) on the first 2*len(inv_freq) channels: half-split pairs (c, c + rot/2)
     (HF/NeoX layout) or, with `interleaved`, adjacent pairs (2c, 2c + 1) (GPT-J/Meta layout).
@@ -86,8 +85,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
 
 
-def qkv_rope(mixed: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, q_per_group: int,
-             interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_rope(
+    mixed: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, q_per_group: int, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split megatron's fused q/k/v projection and rotate q and k (`rope`), in one op so that
     fused implementations read the projection once and write its gradient in one piece.
 
@@ -110,9 +110,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: Optional[float] = None
-) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: Optional[float] = None) -> torch.Tensor:
     """Attention on [batch, heads, seq, head_dim] through torch SDPA; GQA when k/v have fewer
     heads (repeated to match). Never materializes scores itself: SDPA picks flash/efficient
     kernels on GPU."""
@@ -124,8 +122,12 @@ def attention(
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor,
-    ignore_index: int = -100, label_smoothing: float = 0.0,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_weights: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """sum_i token_weights[i] * CE(hidden[i] @ weight.T, labels[i]): the output projection and the
     loss in one op (fused implementations never hold all the [tokens, vocab] logits). hidden
@@ -173,7 +175,11 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Ten
 
 
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: Optional[float] = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: Optional[float] = None,
     max_seqlen: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention over packed samples that never crosses a sample boundary.
@@ -186,13 +192,28 @@ def varlen_attention(
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
-            seg = attention(q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None], True, scale)
+            seg = attention(
+                q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None], True, scale
+            )
             out[start:end] = seg[0].transpose(0, 1)
     return out
 
 
-def adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *, lr: float, beta1: float, beta2: float,
-          weight_decay: float, eps: float, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
+def adamw(
+    params: list,
+    grads: list,
+    exp_avgs: list,
+    exp_avg_sqs: list,
+    steps: list,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
     """One AdamW update in place over lists of tensors (torch.optim.AdamW's math: decoupled weight
     decay, bias-corrected moments, fp32 arithmetic whatever the storage dtype). `steps` are the
     per-parameter step counts (fp32 0-d tensors), already counting this update; each gradient is
@@ -200,7 +221,20 @@ def adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: l
     the device) leaves parameters and moments untouched, decided on the device (torch's GradScaler
     contract; the caller keeps the step counts). The reference is torch's own fused kernel."""
     if params:
-        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
-                            found_inf=found_inf)
-
+        torch._fused_adamw_(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )

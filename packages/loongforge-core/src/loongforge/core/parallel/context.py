@@ -16,7 +16,6 @@ from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-
 from loongforge.core.errors import UserError
 
 
@@ -45,8 +44,9 @@ class ParallelContext:
     pos_embedding_group: object = None  # first pipeline stage; None at PP=1 and on other stages
 
     @classmethod
-    def from_groups(cls, tp_group, pp_group, dp_group, *, mp_group, cp_group, embedding_group=None,
-                    pos_embedding_group=None) -> "ParallelContext":
+    def from_groups(
+        cls, tp_group, pp_group, dp_group, *, mp_group, cp_group, embedding_group=None, pos_embedding_group=None
+    ) -> "ParallelContext":
         """The context of explicit groups (this rank a member of each): sizes and ranks read from them."""
         if dist.get_world_size(cp_group) != 1:
             raise ValueError(f"cp_group has {dist.get_world_size(cp_group)} ranks; LoongForge runs no context parallelism (one rank)")
@@ -94,9 +94,22 @@ class ParallelContext:
 
         tp, dp, mp, one = self.tp_group, self.dp_group, self.mp_group, self.cp_group
         return ProcessGroupCollection(
-            tp=tp, pp=self.pp_group, mp=mp, cp=one, tp_cp=tp, dp=dp, dp_cp=dp, intra_dp_cp=dp,
-            embd=self.embedding_group, pos_embd=self.pos_embedding_group,
-            ep=one, expt_tp=tp, tp_ep=tp, tp_ep_pp=mp, expt_dp=dp, intra_expt_dp=dp,
+            tp=tp,
+            pp=self.pp_group,
+            mp=mp,
+            cp=one,
+            tp_cp=tp,
+            dp=dp,
+            dp_cp=dp,
+            intra_dp_cp=dp,
+            embd=self.embedding_group,
+            pos_embd=self.pos_embedding_group,
+            ep=one,
+            expt_tp=tp,
+            tp_ep=tp,
+            tp_ep_pp=mp,
+            expt_dp=dp,
+            intra_expt_dp=dp,
         )
 
     def pg_collection(self):
@@ -104,7 +117,11 @@ class ParallelContext:
         return self._pgs
 
     def layout(self) -> dict:
-        return {"tensor_model_parallel_size": self.tp_size, "pipeline_model_parallel_size": self.pp_size, "data_parallel_size": self.dp_size}
+        return {
+            "tensor_model_parallel_size": self.tp_size,
+            "pipeline_model_parallel_size": self.pp_size,
+            "data_parallel_size": self.dp_size,
+        }
 
 
 def init_parallel(tp: int, pp: int, backend: str, device_type: str) -> ParallelContext:
@@ -112,16 +129,13 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str) -> ParallelC
 
     Multi-process runs are started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
     """
-    from megatron.core import parallel_state as ps
-
     from loongforge.core.parallel.distributed import init_process_group
+    from megatron.core import parallel_state as ps
 
     init_process_group(backend, device_type)
     world = dist.get_world_size()
     if world % (tp * pp):
-        raise UserError(
-            f"world size {world} is not divisible by tensor_model_parallel_size*pipeline_model_parallel_size={tp * pp}"
-        )
+        raise UserError(f"world size {world} is not divisible by tensor_model_parallel_size*pipeline_model_parallel_size={tp * pp}")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
         if have != (tp, pp):
@@ -206,11 +220,15 @@ def validate_components(parallel_cfg, world_size: int, known_components) -> dict
         if over is not None and over.pipeline_model_parallel_size is not None:
             pp, pp_key = over.pipeline_model_parallel_size, f"parallel.components.{name}.pipeline_model_parallel_size"
         if pp != 1:
-            raise UserError(f"{pp_key}={pp}: component {name!r} would run pipeline parallelism, which components do not support yet; "
-                            f"set parallel.components.{name}.pipeline_model_parallel_size=1")
+            raise UserError(
+                f"{pp_key}={pp}: component {name!r} would run pipeline parallelism, which components do not support yet; "
+                f"set parallel.components.{name}.pipeline_model_parallel_size=1"
+            )
         if tp < 1 or world_size % tp:
-            raise UserError(f"{tp_key}={tp} does not divide the world size {world_size}; "
-                            f"set parallel.components.{name}.tensor_model_parallel_size to a divisor of {world_size}")
+            raise UserError(
+                f"{tp_key}={tp} does not divide the world size {world_size}; "
+                f"set parallel.components.{name}.tensor_model_parallel_size to a divisor of {world_size}"
+            )
         layouts[name] = (tp, pp)
     return layouts
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from loongforge.core.errors import UserError
 
 STACKS = ("megatron", "torch")
@@ -26,8 +25,10 @@ def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype, activat
         check_batch_sizes(train_cfg, ctx.dp_size)
         return MegatronStack(ctx, acc, params_dtype, train_cfg.master_weights, activation_shape), ctx
     if par.tensor_model_parallel_size != 1 or par.pipeline_model_parallel_size != 1:
-        raise UserError("parallel.stack=torch has data parallelism only: set tensor_model_parallel_size=1 and "
-                        "pipeline_model_parallel_size=1, or use parallel.stack=megatron")
+        raise UserError(
+            "parallel.stack=torch has data parallelism only: set tensor_model_parallel_size=1 and "
+            "pipeline_model_parallel_size=1, or use parallel.stack=megatron"
+        )
     from loongforge.core.parallel.distributed import init_process_group
     from loongforge.core.stacks.torch_native import TorchNativeStack
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from loongforge.core.checkpoint import load_full_state, load_megatron, save_megatron
 from loongforge.core.stacks.base import Select, TrainStack
 from loongforge.core.stacks.grads import all_reduce_mean, grad_sq_norm, param_groups
@@ -24,8 +23,9 @@ from loongforge.core.train.precision import MasterWeights, PureLowPrecision
 class MegatronStack(TrainStack):
     name = "megatron"
 
-    def __init__(self, ctx, acc, params_dtype: torch.dtype = torch.float32, master_weights: bool = True,
-                 activation_shape: tuple | None = None) -> None:
+    def __init__(
+        self, ctx, acc, params_dtype: torch.dtype = torch.float32, master_weights: bool = True, activation_shape: tuple | None = None
+    ) -> None:
         self.ctx = ctx
         self.acc = acc
         self.device = acc.device()
@@ -56,15 +56,27 @@ class MegatronStack(TrainStack):
         self._trained = [p for g in optimizer.param_groups for p in g["params"]]
         # counted once in the global norm: not the second copy of a shared embedding, not a
         # TP-replicated parameter on ranks other than TP rank 0
-        self._counted = [p for p in self._trained if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, self.ctx.tp_group)]
+        self._counted = [
+            p for p in self._trained if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, self.ctx.tp_group)
+        ]
         if self.params_dtype != torch.float32 and not self.master_weights:
             self.low = PureLowPrecision(model, optimizer, self.params_dtype)
         return optimizer
 
     def forward_backward(self, model, microbatches, loss_fn, forward_only: bool = False):
         # activations between pipeline stages travel in the parameters' dtype
-        return forward_backward(model, microbatches, loss_fn, self.ctx, self.activation_shape, self.params_dtype, self.device,
-                                self.acc.autocast, forward_only=forward_only, metric_names=self._metric_names)
+        return forward_backward(
+            model,
+            microbatches,
+            loss_fn,
+            self.ctx,
+            self.activation_shape,
+            self.params_dtype,
+            self.device,
+            self.acc.autocast,
+            forward_only=forward_only,
+            metric_names=self._metric_names,
+        )
 
     def finalize_grads(self, model, optimizer) -> None:
         ctx = self.ctx

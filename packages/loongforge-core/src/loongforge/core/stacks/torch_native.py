@@ -23,7 +23,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-
 from loongforge.core.checkpoint.dcp_io import load_dcp, save_dcp
 from loongforge.core.errors import UserError
 from loongforge.core.stacks.base import Select, TrainStack
@@ -76,15 +75,24 @@ def _recompute(block: torch.nn.Module) -> None:
 class TorchNativeStack(TrainStack):
     name = "torch"
 
-    def __init__(self, parallel_cfg, device: torch.device, params_dtype: torch.dtype = torch.float32, master_weights: bool = True,
-                 recompute: bool = False, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    def __init__(
+        self,
+        parallel_cfg,
+        device: torch.device,
+        params_dtype: torch.dtype = torch.float32,
+        master_weights: bool = True,
+        recompute: bool = False,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
         mode = parallel_cfg.data_parallel_mode
         if mode not in MODES:
             raise UserError(f"parallel.data_parallel_mode={mode!r} is not a torch-stack mode; choose one of {', '.join(MODES)}")
         tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
         if tp * pp > 1:
-            raise UserError(f"parallel.tensor_model_parallel_size={tp}, parallel.pipeline_model_parallel_size={pp}: the torch stack "
-                            "has no model parallelism; set both to 1, or use parallel.stack=megatron")
+            raise UserError(
+                f"parallel.tensor_model_parallel_size={tp}, parallel.pipeline_model_parallel_size={pp}: the torch stack "
+                "has no model parallelism; set both to 1, or use parallel.stack=megatron"
+            )
         if not dist.is_initialized():
             raise RuntimeError("TorchNativeStack needs torch.distributed initialized first (init_process_group, also for one process)")
         world = dist.get_world_size()
@@ -92,8 +100,10 @@ class TorchNativeStack(TrainStack):
         if mode != "hsdp" and replicas != 1:
             raise UserError(f"parallel.data_parallel_replicas={replicas} applies to data_parallel_mode=hsdp only; set it to 1 or use hsdp")
         if replicas < 1 or world % replicas:
-            raise UserError(f"parallel.data_parallel_replicas={replicas} must divide the world size {world}; "
-                            f"choose a divisor of {world} (shards per replica = world size / replicas)")
+            raise UserError(
+                f"parallel.data_parallel_replicas={replicas} must divide the world size {world}; "
+                f"choose a divisor of {world} (shards per replica = world size / replicas)"
+            )
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mode = mode
@@ -140,8 +150,11 @@ class TorchNativeStack(TrainStack):
         if self.sharded:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            mp = MixedPrecisionPolicy(param_dtype=self.params_dtype, reduce_dtype=torch.float32) if low and self.master_weights \
+            mp = (
+                MixedPrecisionPolicy(param_dtype=self.params_dtype, reduce_dtype=torch.float32)
+                if low and self.master_weights
                 else MixedPrecisionPolicy()
+            )
             for b in blocks:
                 fully_shard(b, mesh=self.mesh, mp_policy=mp)
             fully_shard(model, mesh=self.mesh, mp_policy=mp)
@@ -160,8 +173,10 @@ class TorchNativeStack(TrainStack):
         mine = [p for i, p in enumerate(self._params) if self.mode != "zero1" or self._owner[i] == self.dp_rank]
         groups = [g for g in param_groups(mine) if g["params"]]  # DCP's per-name optimizer state needs no empty group
         if not groups and self.mode == "zero1":
-            raise UserError(f"parallel.data_parallel_mode=zero1 over {self.dp_size} ranks leaves rank {self.dp_rank} no parameters; "
-                            "use ddp or fewer ranks")
+            raise UserError(
+                f"parallel.data_parallel_mode=zero1 over {self.dp_size} ranks leaves rank {self.dp_rank} no parameters; "
+                "use ddp or fewer ranks"
+            )
         if not groups:
             raise UserError("the model has no trainable parameters (every one has requires_grad=False)")
         optimizer = build(groups)
@@ -267,13 +282,19 @@ class TorchNativeStack(TrainStack):
                 state = model.state_from_hf(state)
             missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
             if missing or unexpected:
-                raise UserError(f"weights do not match the model: missing {missing[:1]} ({len(missing)}), "
-                                f"unexpected {unexpected[:1]} ({len(unexpected)})")
+                raise UserError(
+                    f"weights do not match the model: missing {missing[:1]} ({len(missing)}), "
+                    f"unexpected {unexpected[:1]} ({len(unexpected)})"
+                )
             if self.sharded:
                 set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
             else:
                 model.load_state_dict(state, strict=True)
 
     def layout(self) -> dict:
-        return {"stack": self.name, "data_parallel_mode": self.mode, "data_parallel_size": self.dp_size,
-                "data_parallel_replicas": self.replicas}
+        return {
+            "stack": self.name,
+            "data_parallel_mode": self.mode,
+            "data_parallel_size": self.dp_size,
+            "data_parallel_replicas": self.replicas,
+        }

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-
 from loongforge.core.ops import reference
 
 
@@ -46,8 +45,20 @@ class TableAdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             for ps, gs, ms, vs, steps in lists.values():
                 torch._foreach_add_(steps, increment if found_inf is None else [increment] * len(steps))
-                self.update(ps, gs, ms, vs, steps, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                            eps=group["eps"], grad_scale=scale, found_inf=found_inf)
+                self.update(
+                    ps,
+                    gs,
+                    ms,
+                    vs,
+                    steps,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    grad_scale=scale,
+                    found_inf=found_inf,
+                )
         return None
 
 

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from loongforge.core.checkpoint import CheckpointDir, checkpoint_manifest, read_manifest, verify_files
 from loongforge.core.errors import UserError
 from loongforge.core.ops import OpTable
@@ -53,8 +52,9 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, train_cfg, ckpt_cfg, stack: TrainStack, acc, task: TrainingTask, run_config: dict, identity: str,
-                 ops: OpTable | None = None) -> None:
+    def __init__(
+        self, train_cfg, ckpt_cfg, stack: TrainStack, acc, task: TrainingTask, run_config: dict, identity: str, ops: OpTable | None = None
+    ) -> None:
         self.cfg = train_cfg
         self.ckpt_cfg = ckpt_cfg
         self.stack = stack
@@ -77,7 +77,9 @@ class Trainer:
     # ---- setup -------------------------------------------------------------------------
     def _build_optimizer(self, groups):
         c = self.cfg
-        return TableAdamW(groups, update=self.ops.adamw, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay)
+        return TableAdamW(
+            groups, update=self.ops.adamw, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay
+        )
 
     def setup(self, resume_from: Path | None = None) -> None:
         """Build the model and optimizer; load the starting weights, or resume from a checkpoint."""
@@ -177,8 +179,9 @@ class Trainer:
 
         def commit():
             rng = {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in self.acc.rng_state().items()}
-            manifest = checkpoint_manifest(self.identity, self.run_config, self.stack.layout(), dict(self.state), rng,
-                                           trainable_only=self.task.trainable_only)
+            manifest = checkpoint_manifest(
+                self.identity, self.run_config, self.stack.layout(), dict(self.state), rng, trainable_only=self.task.trainable_only
+            )
             final_dir = ckdir.commit(tmp, step, manifest, self.ckpt_cfg.keep_last)
             self.task.on_saved(final_dir, final)
 
@@ -296,8 +299,13 @@ class _Window:
         return record
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, clip: float, loss: torch.Tensor | None = None,
-                 divisor: torch.Tensor | float = 1.0) -> torch.Tensor:
+def clipped_step(
+    optimizer: torch.optim.Optimizer,
+    grad_norm: torch.Tensor,
+    clip: float,
+    loss: torch.Tensor | None = None,
+    divisor: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
     """One step of an optimizer that honours `grad_scale` and `found_inf` (TableAdamW, torch's fused
     optimizers) on the gradients divided by `divisor` (the loss normalization) and scaled by
     min(1, clip / (norm + 1e-6)) (unclipped when clip <= 0), skipped where the gradient norm or

@@ -11,15 +11,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-
 from loongforge.core.data import Pack, rank_micro_batches
 from loongforge.core.data.text import PrepackedPacks, make_packs, per_sample_mask, stream_packs, tokenized_samples
 from loongforge.core.data.text import pad_id as _pad_id
 from loongforge.core.errors import UserError
 from loongforge.core.parallel import on_rank0
 
-
 # ---- the recipe ---------------------------------------------------------------------------
+
 
 def sft_data(cfg, tok, dp_rank: int, dp_size: int, run_dir: Path, device):
     from loongforge.llm.pretrain import RunData
@@ -38,7 +37,11 @@ def sft_data(cfg, tok, dp_rank: int, dp_size: int, run_dir: Path, device):
 
     global_packs: Callable[[int], Iterator[list[Pack]]]
     if d.streaming:
-        on_rank0(lambda: print(f"sft data: streaming, packed within buffers of {d.stream_buffer} samples into {d.seq_length}-token rows", flush=True))
+        on_rank0(
+            lambda: print(
+                f"sft data: streaming, packed within buffers of {d.stream_buffer} samples into {d.seq_length}-token rows", flush=True
+            )
+        )
 
         def global_packs(start):
             packs = stream_packs(d, tok, t.seed)

@@ -23,9 +23,13 @@ class SFTDataConfig:
     packing: bool = True  # best-fit decreasing packs (micro_batch_size must be 1); false: one padded sample per row
     train_on_prompt: bool = False
     last_turn_only: bool = False
-    append_eos: bool = False  # add the tokenizer's EOS (trained on) after each sample, for models whose EOS is not the template's end of turn
+    append_eos: bool = (
+        False  # add the tokenizer's EOS (trained on) after each sample, for models whose EOS is not the template's end of turn
+    )
     on_bad_sample: str = "skip"  # skip | error
-    loss_normalization: str = "token"  # token: mean over the global batch's trained tokens; sample: each sample's token mean, averaged over samples
+    loss_normalization: str = (
+        "token"  # token: mean over the global batch's trained tokens; sample: each sample's token mean, averaged over samples
+    )
     prepacked: Optional[str] = None  # directory written by `loongforge-llm preprocess --sft` (replaces datasets/template above)
     streaming: bool = False  # tokenize and pack while training instead of before step 1
     stream_buffer: int = 2000  # streaming: samples packed together (and shuffle buffer per dataset)

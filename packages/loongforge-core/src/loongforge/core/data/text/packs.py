@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 
 import torch
-
 from loongforge.core.data import Pack, best_fit_decreasing, pack_samples, packing_efficiency
 from loongforge.core.data.text.files import load_rows
 from loongforge.core.data.text.formats import FORMATS
@@ -24,8 +23,14 @@ def sft_rows(path: str, streaming: bool = False):
 
 
 def sft_tokenizer(d, tok) -> SFTTokenizer:
-    return SFTTokenizer(tok, d.template, max_length=d.seq_length + 1, train_on_prompt=d.train_on_prompt,
-                        last_turn_only=d.last_turn_only, append_eos=d.append_eos)
+    return SFTTokenizer(
+        tok,
+        d.template,
+        max_length=d.seq_length + 1,
+        train_on_prompt=d.train_on_prompt,
+        last_turn_only=d.last_turn_only,
+        append_eos=d.append_eos,
+    )
 
 
 def check_datasets(d) -> None:

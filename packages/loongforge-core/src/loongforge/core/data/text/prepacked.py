@@ -8,7 +8,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-
 from loongforge.core.data import Pack
 from loongforge.core.data.text.packs import make_packs, pad_id, tokenized_samples
 from loongforge.core.errors import UserError
@@ -32,13 +31,15 @@ def write_prepacked(d, tok, out_dir, seed: int = 1234) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     rows_per_shard = max(1, (256 << 20) // (d.seq_length * 13))  # ~256 MB of int32/int32/float32 per shard
     for n, start in enumerate(tqdm(range(0, len(packs), rows_per_shard), desc="write", unit="shard", mininterval=1.0)):
-        chunk = packs[start:start + rows_per_shard]
-        table = pa.table({
-            "tokens": [p.tokens[0].to(torch.int32).tolist() for p in chunk],
-            "labels": [p.labels[0].to(torch.int32).tolist() for p in chunk],
-            "loss_mask": [p.loss_mask[0].tolist() for p in chunk],
-            "cu_seqlens": [p.cu_seqlens.tolist() for p in chunk],
-        })
+        chunk = packs[start : start + rows_per_shard]
+        table = pa.table(
+            {
+                "tokens": [p.tokens[0].to(torch.int32).tolist() for p in chunk],
+                "labels": [p.labels[0].to(torch.int32).tolist() for p in chunk],
+                "loss_mask": [p.loss_mask[0].tolist() for p in chunk],
+                "cu_seqlens": [p.cu_seqlens.tolist() for p in chunk],
+            }
+        )
         pq.write_table(table, tmp / f"packs-{n:05d}.parquet")
     meta = {
         "version": PREPACKED_VERSION,
@@ -71,13 +72,21 @@ class PrepackedPacks:
             raise UserError(f"data.prepacked={path}: not a `loongforge-llm preprocess --sft` output (no {PREPACKED_META})")
         self.meta = json.loads(meta_path.read_text())
         if self.meta.get("version") != PREPACKED_VERSION:
-            raise UserError(f"data.prepacked={path}: format version {self.meta.get('version')} is not {PREPACKED_VERSION}; preprocess again")
+            raise UserError(
+                f"data.prepacked={path}: format version {self.meta.get('version')} is not {PREPACKED_VERSION}; preprocess again"
+            )
         if self.meta["seq_length"] != seq_length:
-            raise UserError(f"data.prepacked={path} was packed for seq_length={self.meta['seq_length']}, the config has data.seq_length={seq_length}")
+            raise UserError(
+                f"data.prepacked={path} was packed for seq_length={self.meta['seq_length']}, the config has data.seq_length={seq_length}"
+            )
         if self.meta["packing"] != packing:
-            raise UserError(f"data.prepacked={path} was written with packing={self.meta['packing']}; set data.packing={str(self.meta['packing']).lower()}")
+            raise UserError(
+                f"data.prepacked={path} was written with packing={self.meta['packing']}; set data.packing={str(self.meta['packing']).lower()}"
+            )
         if self.meta["tokenizer_size"] != tokenizer_size:
-            raise UserError(f"data.prepacked={path} was tokenized with a {self.meta['tokenizer_size']}-token tokenizer, data.tokenizer has {tokenizer_size}")
+            raise UserError(
+                f"data.prepacked={path} was tokenized with a {self.meta['tokenizer_size']}-token tokenizer, data.tokenizer has {tokenizer_size}"
+            )
         files = sorted(str(f) for f in root.glob("packs-*.parquet"))
         datasets.disable_progress_bars()
         try:
@@ -95,5 +104,11 @@ class PrepackedPacks:
         cu = r["cu_seqlens"].to(torch.int32)
         from loongforge.core.ops.reference import positions_from_cu_seqlens
 
-        return Pack(tokens=r["tokens"].long()[None], labels=r["labels"].long()[None], loss_mask=r["loss_mask"].float()[None],
-                    position_ids=positions_from_cu_seqlens(cu, cu[-1].item())[None], cu_seqlens=cu, samples=[])
+        return Pack(
+            tokens=r["tokens"].long()[None],
+            labels=r["labels"].long()[None],
+            loss_mask=r["loss_mask"].float()[None],
+            position_ids=positions_from_cu_seqlens(cu, cu[-1].item())[None],
+            cu_seqlens=cu,
+            samples=[],
+        )

@@ -38,7 +38,9 @@ def stream_packs(d, tok, seed: int) -> Iterator[Pack]:
         buf = [next(sources[rng.choices(range(len(sources)), weights)[0]]) for _ in range(d.stream_buffer)]
         trained_any = trained_any or any(bool(s["loss_mask"].any()) for s in buf)
         if not trained_any:
-            raise UserError(f"no sample in the first {d.stream_buffer} streamed rows has a token to train on (all labels masked); bad rows: {dict(st.stats)}")
+            raise UserError(
+                f"no sample in the first {d.stream_buffer} streamed rows has a token to train on (all labels masked); bad rows: {dict(st.stats)}"
+            )
         packs, _ = make_packs(buf, d, pad)
         rng.shuffle(packs)
         yield from packs

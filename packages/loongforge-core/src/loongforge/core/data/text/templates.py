@@ -20,8 +20,9 @@ _IM = (
     "{%- for m in messages %}"
     "{%- if m['role'] == 'assistant' %}"
     "<|im_start|>assistant\n{% generation %}{THINK}{{ m['content'] }}"
-    "{%- for call in m.get('tool_calls') or [] %}" + _CALL +
-    "{{ '\n' if (m['content'] or not loop.first) }}<tool_call>\n{\"name\": \"{{ c['name'] }}\", \"arguments\": {{ c['arguments'] | tojson }}}\n</tool_call>"
+    "{%- for call in m.get('tool_calls') or [] %}"
+    + _CALL
+    + "{{ '\n' if (m['content'] or not loop.first) }}<tool_call>\n{\"name\": \"{{ c['name'] }}\", \"arguments\": {{ c['arguments'] | tojson }}}\n</tool_call>"
     "{%- endfor %}<|im_end|>{% endgeneration %}{{ '\\n' }}"
     "{%- elif m['role'] == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{%- endif %}"
@@ -37,15 +38,18 @@ BUILTIN_TEMPLATES = {
     # Qwen3 without thinking: an empty think block precedes every answer.
     "qwen3": _IM.replace("{THINK}", "<think>\n\n</think>\n\n"),
     # Qwen3 with thinking: the reasoning, when a message carries it, is trained on too.
-    "qwen3_thinking": _IM.replace("{THINK}", "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"),
+    "qwen3_thinking": _IM.replace(
+        "{THINK}", "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
+    ),
     # Llama 3.1: a tool call is the assistant's JSON {"name", "parameters"}; results come back as `ipython`.
     "llama3": (
         "{{- bos_token }}"
         "{%- for m in messages %}"
         "{%- if m['role'] == 'assistant' %}"
         "<|start_header_id|>assistant<|end_header_id|>\n\n{% generation %}{{ m['content'] | trim }}"
-        "{%- for call in m.get('tool_calls') or [] %}" + _CALL +
-        "{\"name\": \"{{ c['name'] }}\", \"parameters\": {{ c['arguments'] | tojson }}}"
+        "{%- for call in m.get('tool_calls') or [] %}"
+        + _CALL
+        + '{"name": "{{ c[\'name\'] }}", "parameters": {{ c[\'arguments\'] | tojson }}}'
         "{%- endfor %}<|eot_id|>{% endgeneration %}"
         "{%- elif m['role'] == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
         "{%- else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{%- endif %}"
@@ -65,8 +69,15 @@ class SFTTokenizer:
     Over-long samples raise BadSample("over_long"); `stats` counts kept and bad rows by reason.
     """
 
-    def __init__(self, tokenizer, template: str | None = None, max_length: int = 4096, train_on_prompt: bool = False, last_turn_only: bool = False,
-                 append_eos: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        template: str | None = None,
+        max_length: int = 4096,
+        train_on_prompt: bool = False,
+        last_turn_only: bool = False,
+        append_eos: bool = False,
+    ):
         self.tok = tokenizer
         if template is not None:
             if template not in BUILTIN_TEMPLATES:
@@ -90,7 +101,9 @@ class SFTTokenizer:
         self.stats: Counter = Counter()
 
     def __call__(self, messages: list[dict]) -> dict:
-        out = self.tok.apply_chat_template(messages, chat_template=self.template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = self.tok.apply_chat_template(
+            messages, chat_template=self.template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         if self.append_eos and ids[-1] != self.tok.eos_token_id:
             ids.append(self.tok.eos_token_id)

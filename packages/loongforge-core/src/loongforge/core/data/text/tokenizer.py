@@ -41,5 +41,7 @@ def eod_id(tok) -> int:
 def copy_tokenizer(src, dst) -> None:
     src, dst = Path(src), Path(dst)
     for f in src.iterdir():
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")):
+        if f.is_file() and (
+            f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+        ):
             shutil.copy2(f, dst / f.name)
