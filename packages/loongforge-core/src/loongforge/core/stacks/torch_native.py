@@ -8,6 +8,7 @@ Modes (`parallel.data_parallel_mode`):
 - `fsdp`: `fully_shard` per block (`model.blocks()`) and on the root (FSDP2: parameters,
   gradients and optimizer state sharded, DTensors); the reduce-scatter averages the gradients.
 - `hsdp`: FSDP over a 2-D mesh (`data_parallel_replicas` replica rows x shards).
+On one rank fsdp and hsdp do not wrap the model (nothing to shard) and train as ddp does.
 Every rank sees different data in every mode, so `dp_size` is the world size.
 
 Precision: fp32; bf16 with fp32 masters (fsdp: MixedPrecisionPolicy over fp32 sharded params;
@@ -114,7 +115,9 @@ class TorchNativeStack(TrainStack):
         self.compile = bool(parallel_cfg.compile)
         self.autocast = autocast
         self.replicas = replicas
-        self.sharded = mode in ("fsdp", "hsdp")
+        # One rank has nothing to shard: fully_shard would only add all-gather and reduce-scatter
+        # copies (torchtitan skips it too), so fsdp/hsdp on one rank train as ddp does.
+        self.sharded = mode in ("fsdp", "hsdp") and world > 1
         if mode == "hsdp":
             self.mesh = init_device_mesh(self.device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
             self._shard_group = self.mesh.get_group("shard")
