@@ -4,15 +4,25 @@ permute; torch.compile and Liger join on the GPU. Liger's RoPE, run once here un
 interpreter from its wheel, matched the reference exactly in fp32; the interpreter's bf16 gave it
 NaNs, so it is not part of this test.)"""
 
+import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "benchmarks"))
-import kernels as bench  # noqa: E402
+
+def _load_benchmark():
+    """tools/benchmarks/kernels.py under a name of its own: on sys.path as `kernels` it would
+    shadow the `kernels` package that transformers imports."""
+    path = Path(__file__).resolve().parents[2] / "tools" / "benchmarks" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("loongforge_kernel_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_benchmark()
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="Triton kernels need TRITON_INTERPRET=1 on a CPU"
