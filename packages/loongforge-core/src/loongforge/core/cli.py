@@ -86,7 +86,7 @@ def doctor() -> int:
         loss = model(x, None, None, labels=x).float().mean()
     loss.backward()
     ok = bool(torch.isfinite(loss))
-    print(f"tiny megatron-core forward/backward: loss {float(loss):.4f} {'ok' if ok else 'NOT FINITE'}")
+    print(f"tiny megatron-core forward/backward: loss {float(loss.detach()):.4f} {'ok' if ok else 'NOT FINITE'}")
     return 0 if ok else 1
 
 
