@@ -145,8 +145,6 @@ def loongforge_trainer(
     ops = OpTable.build(None, registry(), "cuda") if kernels else OpTable()
     data = RunData(lambda start: iter(()), b * s, b)  # the caller hands train_step its micro-batches
     task = CausalLMTask(cfg, mcfg, None, stack_obj, ctx, ops, data, acc.device(), Path(cfg.checkpoint.run_dir))
-    if ctx is not None:
-        stack_obj.activation_shape = task.activation_shape
     trainer = Trainer(train, cfg.checkpoint, stack_obj, acc, task, {}, "benchmark", ops)
     trainer.setup()
     return trainer

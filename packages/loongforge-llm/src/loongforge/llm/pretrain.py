@@ -267,8 +267,6 @@ def train(cfg, make_data: Callable) -> dict:
     device = acc.device()
     data = make_data(cfg, tok, stack.dp_rank, stack.dp_size, run_dir, device)
     task = CausalLMTask(cfg, mcfg, source, stack, ctx, ops, data, device, run_dir)
-    if ctx is not None:
-        stack.activation_shape = task.activation_shape
     run_config = dataclasses.asdict(cfg)
     run_config["model"] = dataclasses.asdict(mcfg)
     trainer = Trainer(cfg.train, cfg.checkpoint, stack, acc, task, run_config, identity, ops)

@@ -15,6 +15,7 @@ class TrainStack:
     dp_size: int = 1  # ranks that see different data
     dp_rank: int = 0
     dp_group = None  # process group over those ranks (None with one)
+    activation_shape = None  # pipeline parallel: the task's activations between stages (the trainer sets it)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap or shard the built model (precision, data parallel, recompute, compile); the
@@ -66,3 +67,15 @@ class TrainStack:
     def layout(self) -> dict:
         """The parallel layout, for the manifest."""
         return {"stack": self.name, "data_parallel_size": self.dp_size}
+
+
+def accumulate(totals: list | None, s: torch.Tensor, w, metrics: dict) -> list:
+    """Running [weighted sum, weight, {metric: sum}] of micro-batch losses (detached, fp32), as
+    every stack's `forward_backward` returns them."""
+    vals = [s.detach().float(), torch.as_tensor(w, device=s.device).detach().float(), {k: v.detach().float() for k, v in metrics.items()}]
+    if totals is None:
+        return vals
+    totals[0] = totals[0] + vals[0]
+    totals[1] = totals[1] + vals[1]
+    totals[2] = {k: totals[2][k] + v for k, v in vals[2].items()}
+    return totals

@@ -8,7 +8,7 @@ from loongforge.core.errors import UserError
 STACKS = ("megatron", "torch")
 
 
-def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype, activation_shape: tuple | None = None):
+def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype):
     """Join the process group and lay out the ranks for `parallel_cfg.stack`; returns
     (stack, ParallelContext or None). The megatron stack's context gives TP/PP/DP groups; the
     torch stack has data parallelism only."""
@@ -23,7 +23,7 @@ def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype, activat
 
         ctx = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, acc.backend, acc.device_type)
         check_batch_sizes(train_cfg, ctx.dp_size)
-        return MegatronStack(ctx, acc, params_dtype, train_cfg.master_weights, activation_shape), ctx
+        return MegatronStack(ctx, acc, params_dtype, train_cfg.master_weights), ctx
     if par.tensor_model_parallel_size != 1 or par.pipeline_model_parallel_size != 1:
         raise UserError(
             "parallel.stack=torch has data parallelism only: set tensor_model_parallel_size=1 and "

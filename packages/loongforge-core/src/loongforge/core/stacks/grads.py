@@ -39,10 +39,15 @@ def all_reduce_mean(grads: list[torch.Tensor], group, size: int) -> None:
             g.copy_(f)
 
 
-def grad_sq_norm(params, device) -> torch.Tensor:
-    """Sum of squares of the parameters' gradients, in fp32: one fused per-tensor norm launch
-    (bf16 gradients are read once and never copied)."""
-    grads = [p.grad.detach() for p in params if p.grad is not None]
-    if not grads:
+def sq_norm(tensors, device) -> torch.Tensor:
+    """Sum of squares of `tensors`, in fp32: one fused per-tensor norm launch (bf16 tensors are
+    read once and never copied); 0 for none."""
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+    return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).square().sum()
+
+
+def grad_sq_norm(params, device) -> torch.Tensor:
+    """Sum of squares of the parameters' gradients (see `sq_norm`)."""
+    return sq_norm([p.grad for p in params if p.grad is not None], device)

@@ -23,15 +23,12 @@ from loongforge.core.train.precision import MasterWeights, PureLowPrecision
 class MegatronStack(TrainStack):
     name = "megatron"
 
-    def __init__(
-        self, ctx, acc, params_dtype: torch.dtype = torch.float32, master_weights: bool = True, activation_shape: tuple | None = None
-    ) -> None:
+    def __init__(self, ctx, acc, params_dtype: torch.dtype = torch.float32, master_weights: bool = True) -> None:
         self.ctx = ctx
         self.acc = acc
         self.device = acc.device()
         self.params_dtype = params_dtype
         self.master_weights = master_weights
-        self.activation_shape = activation_shape
         self.dp_size, self.dp_rank, self.dp_group = ctx.dp_size, ctx.dp_rank, ctx.dp_group
         self.low: MasterWeights | PureLowPrecision | None = None
         self._metric_names: list = []

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from loongforge.core.checkpoint.dcp_io import load_dcp, save_dcp
 from loongforge.core.errors import UserError
-from loongforge.core.stacks.base import Select, TrainStack
-from loongforge.core.stacks.grads import all_reduce_mean, buckets, param_groups
+from loongforge.core.stacks.base import Select, TrainStack, accumulate
+from loongforge.core.stacks.grads import all_reduce_mean, buckets, param_groups, sq_norm
 from loongforge.core.train.precision import MasterWeights, PureLowPrecision
 
 MODES = ("ddp", "zero1", "fsdp", "hsdp")
@@ -197,9 +197,7 @@ class TorchNativeStack(TrainStack):
     def forward_backward(self, model, microbatches, loss_fn, forward_only: bool = False):
         """Backward of each micro-batch's weighted sum as is (the trainer divides by the global
         weight through the optimizer's grad_scale); FSDP syncs gradients on the last one only."""
-        total_s = torch.zeros((), dtype=torch.float32, device=self.device)
-        total_w = torch.zeros((), dtype=torch.float32, device=self.device)
-        metrics: dict[str, torch.Tensor] = {}
+        totals = None
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         n = len(microbatches)
         with grad_ctx:
@@ -210,11 +208,8 @@ class TorchNativeStack(TrainStack):
                     s, w, m = loss_fn(model, mb)
                 if not forward_only:
                     s.backward()
-                total_s += s.detach().float()
-                total_w += w.detach().float().to(self.device)
-                for k, v in m.items():
-                    metrics[k] = metrics.get(k, torch.zeros((), dtype=torch.float32, device=self.device)) + v.detach().float()
-        return total_s, total_w, metrics
+                totals = accumulate(totals, s, w, m)
+        return tuple(totals)
 
     def finalize_grads(self, model, optimizer) -> None:
         """ddp/zero1: every gradient becomes the mean over ranks; FSDP's reduce-scatter already
@@ -228,10 +223,7 @@ class TorchNativeStack(TrainStack):
         grads = [p.grad for p in self._params if p.grad is not None]
         if self.sharded:
             grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        grads = [g.detach() for g in grads if g.numel()]
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        if grads:
-            sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+        sq = sq_norm([g for g in grads if g.numel()], self.device)
         if self.sharded and self._shard_group.size() > 1:
             dist.all_reduce(sq, group=self._shard_group)
         return sq

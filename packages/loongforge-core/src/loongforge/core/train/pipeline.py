@@ -18,17 +18,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-
-
-def accumulate(totals: list | None, s: torch.Tensor, w, metrics: dict) -> list:
-    """Running [weighted sum, weight, {metric: sum}] of micro-batch losses (detached, fp32)."""
-    vals = [s.detach().float(), torch.as_tensor(w, device=s.device).detach().float(), {k: v.detach().float() for k, v in metrics.items()}]
-    if totals is None:
-        return vals
-    totals[0] = totals[0] + vals[0]
-    totals[1] = totals[1] + vals[1]
-    totals[2] = {k: totals[2][k] + v for k, v in vals[2].items()}
-    return totals
+from loongforge.core.stacks.base import accumulate
 
 
 def forward_backward(

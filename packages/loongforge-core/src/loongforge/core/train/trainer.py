@@ -84,6 +84,7 @@ class Trainer:
     def setup(self, resume_from: Path | None = None) -> None:
         """Build the model and optimizer; load the starting weights, or resume from a checkpoint."""
         self.acc.manual_seed(self.cfg.seed)
+        self.stack.activation_shape = self.task.activation_shape
         self.model = self.stack.prepare(self.task.build_model())
         if self.task.trainable_only:
             names = {n for n, p in self.model.named_parameters() if p.requires_grad}
