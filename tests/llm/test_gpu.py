@@ -1,5 +1,5 @@
 """GPU checks (run on the lent H200; skipped on CPU): bf16 training of the megatron-core model
-through the CLI, and bf16 logits against HF."""
+through the CLI, bf16 logits against HF, the trainer's non-blocking verdict read."""
 
 import pytest
 import torch
@@ -63,3 +63,23 @@ def test_cuda_both_stacks_train_alike(tmp_path):
     for step, want in curves["megatron"].items():
         assert abs(curves["torch"][step] - want) <= 2e-2 * want, (step, curves["torch"][step], want)
     assert curves["torch"][10] < curves["torch"][1]
+
+
+def test_verdict_copy_does_not_wait_for_later_work():
+    """The trainer reads the previous step's NaN/Inf verdict through a HostCopy: it holds the
+    value at the time of the copy and waits for that copy only, not for work queued after it
+    (here about a second of spinning; the read returns long before)."""
+    import time
+
+    from loongforge.core.train.trainer import HostCopy
+
+    t = torch.ones((), device="cuda")
+    copy = HostCopy(t)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s at the H200's clock
+    t.zero_()
+    start = time.perf_counter()
+    value = copy.get()
+    waited = time.perf_counter() - start
+    assert value.item() == 1.0
+    torch.cuda.synchronize()
+    assert waited < 0.25, f"HostCopy.get() waited {waited:.2f}s: it waited for work queued after the copy"

@@ -9,9 +9,10 @@ global batch, clipping, the NaN/Inf guard, evaluation, logging, checkpoints and 
     trainer.save(final=True)
 
 `run` is setup + the loop + the final save. Within a step nothing waits for the device: the
-loss, gradient norm and NaN/Inf verdict stay device tensors. The verdict of step k is read
-while step k+1's forward and backward are queued (it decides step k+1's learning rate and the
-bad-step count); values are read for logging at the log interval only.
+loss, gradient norm and NaN/Inf verdict stay device tensors. The verdict of step k is copied to
+the host as step k queues it and read during step k+1, after its forward and backward are queued
+(it decides step k+1's learning rate and the bad-step count), waiting for that copy only; values
+are read for logging at the log interval only.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Trainer:
         self.model = None
         self.optimizer = None
         self._select = None
-        self._pending: torch.Tensor | None = None  # the last step's NaN/Inf verdict, not read yet
+        self._pending: HostCopy | None = None  # the last step's NaN/Inf verdict, not read yet
         self._stop_signal: int | None = None
         self._control = None  # a CPU (gloo) group for the stop flag, so agreeing never waits on the device
         self.log_line = print  # where messages go (`run` sends them above the progress bar)
@@ -123,7 +124,7 @@ class Trainer:
             g["lr"] = lr
         skipped = clipped_step(opt, grad_norm, self.cfg.clip_grad, loss, divisor)
         stack.after_step(model, opt)
-        self._pending = skipped
+        self._pending = HostCopy(skipped)
         self.state["step"] += 1
         self.state["consumed_samples"] += self.cfg.global_batch_size
         return StepResult(loss, totals[1], grad_norm, skipped, lr, {k: totals[2 + i] / weight for i, k in enumerate(metrics)})
@@ -133,7 +134,7 @@ class Trainer:
         work already on the device) into the step counters."""
         if self._pending is None:
             return
-        bad = bool(self._pending)
+        bad = bool(self._pending.get())
         self._pending = None
         st = self.state
         if not bad:
@@ -298,6 +299,27 @@ class _Window:
         }
         self.restart(step)
         return record
+
+
+class HostCopy:
+    """A device tensor copied to the host without waiting: `get()` waits for that copy only.
+    (`bool(t)` or `t.item()` would wait for everything queued on the stream since, such as the
+    next step's forward and backward, and leave the device idle while the host catches up.)"""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._event = None
+        if t.device.type == "cpu":
+            self._host = t
+            return
+        self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._host.copy_(t, non_blocking=True)
+        self._event = torch.Event(device=t.device)
+        self._event.record()
+
+    def get(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
 
 
 def clipped_step(
