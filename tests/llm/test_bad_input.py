@@ -1,6 +1,8 @@
 """Each user error: one line on stderr naming what is wrong, exit code 2, nothing overwritten."""
 
+import errno
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -69,19 +71,6 @@ def test_run_dir_of_another_run_is_refused_and_untouched(finished_run):
     assert _tree_digest(finished_run / "checkpoints") == before
 
 
-def test_overwrite_moves_the_old_checkpoints_aside(finished_run, tmp_path):
-    import shutil
-
-    d = tmp_path / "run"
-    shutil.copytree(finished_run, d)
-    before = _tree_digest(d / "checkpoints")
-    r = run_cli(["train", "tiny", *FAST, "train.train_iters=2", "train.lr=1e-2", "checkpoint.overwrite=true", f"checkpoint.run_dir={d}"])
-    assert r.returncode == 0, r.stderr[-3000:]
-    (old,) = list(d.glob("checkpoints.old-*"))
-    assert _tree_digest(old) == before
-    assert (d / "checkpoints" / "latest").read_text() == "step_00000002"
-
-
 def test_resume_true_continues_from_another_runs_checkpoints(finished_run, hf_llama4, tmp_path):
     import shutil
 
@@ -140,3 +129,195 @@ def test_preprocess_bad_inputs(tmp_path):
         "o.bin exists",
     )
     assert (tmp_path / "o.bin").read_bytes() == b"mine"
+
+
+# Sizes, intervals and rates: checked when the config is loaded, before anything is built.
+BAD_TRAIN_VALUES = [
+    ("train.micro_batch_size=0", "train.micro_batch_size=0 must be at least 1"),
+    ("train.global_batch_size=-4", "train.global_batch_size=-4 must be at least 1"),
+    ("train.train_iters=0", "train.train_iters=0 must be at least 1"),
+    ("train.save_interval=-1", "train.save_interval=-1 must be at least 0"),
+    ("train.log_interval=0", "train.log_interval=0 must be at least 1"),
+    ("train.eval_interval=-5", "train.eval_interval=-5 must be at least 0"),
+    ("train.eval_iters=0", "train.eval_iters=0 must be at least 1 when train.eval_interval=50"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 must be at least 0"),
+    ("train.max_bad_steps=0", "train.max_bad_steps=0 must be at least 1"),
+    ("train.lr=-1e-3", "train.lr=-0.001 must be at least 0"),
+    ("train.clip_grad=-1", "train.clip_grad=-1.0 must be at least 0"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_TRAIN_VALUES)
+def test_config_value_out_of_range_is_refused_when_loaded(override, message):
+    from loongforge.core.errors import UserError
+    from loongforge.core.recipes import resolve
+
+    with pytest.raises(UserError) as e:
+        resolve("tiny", [override], prefer="llm")
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_config_values_at_their_limits_are_accepted():
+    from loongforge.core.recipes import resolve
+
+    limits = ["train.save_interval=0", "train.eval_interval=0", "train.eval_iters=0", "checkpoint.keep_last=0", "train.clip_grad=0"]
+    _, cfg = resolve("tiny", [*limits, "train.lr=0", "train.train_iters=1", "train.log_interval=1", "train.max_bad_steps=1"], prefer="llm")
+    assert cfg.train.train_iters == 1 and cfg.train.eval_iters == 0 and cfg.train.lr == 0
+
+
+@pytest.mark.parametrize("override,message", [BAD_TRAIN_VALUES[2], BAD_TRAIN_VALUES[6]])
+def test_config_value_out_of_range_on_the_cli(override, message, tmp_path):
+    args = ["train", "tiny", "train.eval_interval=50", f"checkpoint.run_dir={tmp_path / 'run'}", override]
+    _one_line_error(run_cli(args), message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_and_textless_corpus_files(tmp_path):
+    for name, content, needle in [
+        ("empty.jsonl", "", "data file is empty: {}"),
+        ("empty.txt", "", "data file is empty: {}"),
+        ("blank.txt", "\n  \n\n", "data file is empty: {}"),
+        ("notext.jsonl", '{"text": ""}\n{"text": "  "}\n{"text": null}\n', "no usable text in {}"),
+        ("missing.jsonl", None, "{}"),  # named with what is wrong: not found / not a file
+    ]:
+        f = tmp_path / name
+        if content is not None:
+            f.write_text(content)
+        run = tmp_path / f"run_{name}"
+        _one_line_error(
+            run_cli(["train", "tiny", *FAST, "train.train_iters=2", f"checkpoint.run_dir={run}", f"data.corpus=[{f}]"]), needle.format(f)
+        )
+        assert not (run / "checkpoints").exists()
+
+
+def test_preprocess_skips_null_rows_and_refuses_textless_data(tmp_path):
+    import json
+
+    from loongforge.core.data.text import load_tokenizer
+    from loongforge.core.errors import UserError
+    from loongforge.llm.data import preprocess
+
+    tok = load_tokenizer("tiny")
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": null}\n{"text": "Ada gave the kite to Ben."}\n')
+    info = preprocess([str(f)], tok, str(tmp_path / "o"))
+    assert info["documents"] == 1 and info["tokens"] == len(tok("Ada gave the kite to Ben.", add_special_tokens=False)["input_ids"]) + 1
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "a.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    (d / "b.jsonl").write_text("")
+    with pytest.raises(UserError, match=f"data file is empty: {d / 'b.jsonl'}"):
+        preprocess([str(d)], tok, str(tmp_path / "o2"))
+    (d / "b.jsonl").unlink()
+    (d / "c.jsonl").write_text(json.dumps({"text": 5}) + "\n")
+    with pytest.raises(UserError):  # an int column is no text; a.jsonl alone would be fine
+        preprocess([str(d / "c.jsonl")], tok, str(tmp_path / "o3"))
+    assert not list(tmp_path.glob("o2*")) and not list(tmp_path.glob("o3*"))
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0 must be at least 1"),
+        (["--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens=-3 must be at least 1"),
+    ],
+)
+def test_generate_bad_arguments(extra, needle, tmp_path):
+    # checked before the model (here: no model at all) is looked at
+    _one_line_error(run_cli(["generate", str(tmp_path / "no-such-run"), *extra]), needle)
+
+
+# File-system errors a user can fix: one line naming the path, exit 2, `--debug` re-raises.
+@pytest.mark.parametrize(
+    "err,command,needles",
+    [
+        (
+            OSError(errno.ENOSPC, "No space left on device", "/some/path"),
+            "train",
+            ["no space left on device writing /some/path", "checkpoint.run_dir", "saved checkpoints are untouched"],
+        ),
+        (OSError(errno.ENOSPC, "No space left on device"), "convert", ["no space left on device (free space or use another directory)"]),
+        (OSError(errno.EROFS, "Read-only file system", "/ro/x"), "train", ["/ro/x is on a read-only file system", "checkpoint.run_dir"]),
+        (PermissionError(errno.EACCES, "Permission denied", "/x"), "train", ["permission denied: /x", "permissions"]),
+        (PermissionError(errno.EPERM, "Operation not permitted", "/a", None, "/b"), "convert", ["permission denied: /a -> /b"]),
+    ],
+)
+def test_os_error_message(err, command, needles):
+    from loongforge.core.errors import os_error_message
+
+    message = os_error_message(err, command)
+    assert message is not None and "\n" not in message
+    for n in needles:
+        assert n in message, message
+
+
+def test_os_error_message_leaves_other_errors_alone():
+    from loongforge.core.errors import os_error_message
+
+    assert os_error_message(OSError(errno.EIO, "Input/output error", "/x"), "train") is None
+    assert os_error_message(FileNotFoundError(errno.ENOENT, "No such file or directory", "/x"), "train") is None
+
+
+def _raising(err):
+    def train(*args, **kwargs):
+        raise err
+
+    return train
+
+
+@pytest.mark.parametrize(
+    "err,needle",
+    [
+        (PermissionError(errno.EACCES, "Permission denied", "/x/run/checkpoints"), "error: permission denied: /x/run/checkpoints ("),
+        (OSError(errno.ENOSPC, "No space left on device", "/x/run/checkpoints/.tmp-step_00000002/common.pt"), "writing /x/run/checkpoints"),
+        (OSError(errno.EROFS, "Read-only file system", "/x/run"), "error: /x/run is on a read-only file system"),
+    ],
+)
+def test_cli_reports_os_errors_in_one_line(err, needle, monkeypatch, capsys):
+    import loongforge.core.recipes
+    from loongforge.llm.cli import main
+
+    monkeypatch.setattr(loongforge.core.recipes, "train", _raising(err))
+    assert main(["train", "tiny", "checkpoint.run_dir=/x/run"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    monkeypatch.setattr(loongforge.core.recipes, "train", _raising(err))
+    with pytest.raises(OSError):  # --debug: the traceback
+        main(["train", "tiny", "--debug"])
+
+
+def test_cli_keeps_the_traceback_of_other_os_errors(monkeypatch):
+    import loongforge.core.recipes
+    from loongforge.llm.cli import main
+
+    monkeypatch.setattr(loongforge.core.recipes, "train", _raising(OSError(errno.EIO, "Input/output error", "/x")))
+    with pytest.raises(OSError, match="Input/output error"):
+        main(["train", "tiny"])
+
+
+def test_disk_full_on_preprocess(tmp_path):
+    # /dev/full answers every write with ENOSPC, for root too: the output's temporary file points there
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "Ada gave the kite to Ben."}\n' * 2000)
+    (tmp_path / "o.bin.tmp").symlink_to("/dev/full")
+    r = run_cli(["preprocess", "--input", str(f), "--tokenizer", "tiny", "--output-prefix", str(tmp_path / "o")])
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:") or "Traceback" in ln]  # besides the progress bars
+    assert errors == [f"error: no space left on device writing {tmp_path} (free space there or use another directory)"]
+    assert r.stderr.rstrip().endswith(errors[0]) and not (tmp_path / "o.bin").exists() and not (tmp_path / "o.bin.tmp").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_run_dir(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        r = run_cli(["train", "tiny", *FAST, "train.train_iters=2", f"checkpoint.run_dir={ro / 'run'}"])
+    finally:
+        ro.chmod(0o755)
+    line = _one_line_error(r, str(ro))
+    assert "permission denied" in line and "Traceback" not in r.stderr

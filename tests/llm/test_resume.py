@@ -1,5 +1,5 @@
 """kill -9 after a checkpoint, rerun the same command: the same losses as an uninterrupted run.
-Resume at another layout; a corrupted shard is named on load."""
+Resume at another layout; a corrupted shard is named."""
 
 import os
 import shutil
@@ -94,5 +94,7 @@ def test_damaged_shard_fails_naming_the_file(damage, killed, hf_llama4, tmp_path
     r = run_cli(_args(d, hf_llama4))
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: checkpoint file corrupt") and shard.name in last, last
+    # the only checkpoint is damaged: refused, naming the file, nothing moved or deleted
+    assert last.startswith("error:") and "holds no intact checkpoint" in last and "checkpoint file corrupt" in last, last
+    assert shard.name in last and "checkpoint.overwrite=true" in last, last
     assert sorted(p.name for p in (d / "checkpoints").iterdir()) == before

@@ -144,7 +144,8 @@ def main() -> None:
 
     if a.micro_batch < 2 or a.micro_batch % 2:
         p.error("--micro-batch must be even: the noise bound compares it with half of it")
-    init = train(a, "init", 1, ["train.train_iters=0", "checkpoint.export_hf=true"]) / "hf"
+    # one step at learning rate 0: the exported weights are the initialization every layout starts from
+    init = train(a, "init", 1, ["train.train_iters=1", "train.lr=0", "train.min_lr=0", "checkpoint.export_hf=true"]) / "hf"
     a.set = [*a.set, f"checkpoint.load={init}"]
     single = train(a, "gpu1", 1, [f"train.save_interval={half}"])
     resplit = train(a, "gpu1_half_micro", 1, [f"train.micro_batch_size={a.micro_batch // 2}"])

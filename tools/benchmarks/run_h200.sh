@@ -6,6 +6,7 @@
 #   sft     tools/benchmarks/sft_throughput.py
 #   llm     tools/benchmarks/llm_throughput.py ($LLM_ARGS; $LLM_SETUPS: comma-separated setup names; $LLM_TIMEOUT s, default 400)
 #   profile tools/benchmarks/profile_step.py ($PROFILE_ARGS)
+#   ckpt    tools/benchmarks/checkpoint_save.py (the 1.3B checkpoint save with and without the commit's fsyncs)
 #   compare tools/benchmarks/compare_trees.py: $LLM_SETUPS on this tree against the source tree in
 #           $OTHER_TREE, alternating fresh processes, $ROUNDS rounds (default 3; $COMPARE_ARGS)
 set -uo pipefail
@@ -34,6 +35,7 @@ for part in $PARTS; do
     kernels) timeout 500 python3 tools/benchmarks/kernels.py ${KERNEL_ARGS:-} --json "$OUT/kernels.json" 2>&1 | grep -v -i "warn" | tee "$OUT/kernels.log" ;;
     sft) timeout 240 python3 tools/benchmarks/sft_throughput.py --json "$OUT/sft_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/sft_throughput.log" ;;
     profile) timeout 200 python3 tools/benchmarks/profile_step.py ${PROFILE_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/profile_step.log" ;;
+    ckpt) timeout ${CKPT_TIMEOUT:-400} python3 tools/benchmarks/checkpoint_save.py ${CKPT_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/checkpoint_save.log" ;;
     compare) timeout ${COMPARE_TIMEOUT:-500} python3 tools/benchmarks/compare_trees.py --other "$OTHER_TREE" --setups "$LLM_SETUPS" --rounds ${ROUNDS:-3} ${COMPARE_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/compare_trees.log" ;;
     llm) timeout ${LLM_TIMEOUT:-400} python3 tools/benchmarks/llm_throughput.py ${LLM_ARGS:-} ${LLM_SETUPS:+--setups "$LLM_SETUPS"} --json "$OUT/llm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/llm_throughput.log" ;;
   esac

@@ -13,6 +13,7 @@ as usual; `--debug` hides nothing and shows tracebacks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import sys
@@ -31,6 +32,24 @@ class UserError(Exception):
     """Bad input from the user (config, paths, checkpoints). CLIs print one line and exit 2."""
 
 
+def os_error_message(e: OSError, command: str = "") -> str | None:
+    """The one-line message for an OSError the user can fix (disk full, read-only file system,
+    permission denied), naming the path where the error has one; None for any other OSError.
+    `command` (the CLI's subcommand: train, convert, ...) picks the hint."""
+    path = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    elsewhere = "pick another checkpoint.run_dir" if command == "train" else "use another directory"
+    if e.errno == errno.ENOSPC:
+        kept = "; saved checkpoints are untouched" if command == "train" else ""
+        if not path:
+            return f"no space left on device (free space or {elsewhere}){kept}"
+        return f"no space left on device writing {path} (free space there or {elsewhere}){kept}"
+    if e.errno == errno.EROFS:
+        return f"{path or 'the target'} is on a read-only file system (remount it writable or {elsewhere})"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied: {path or '(no path given)'} (fix its permissions or ownership, or {elsewhere})"
+    return None
+
+
 @contextlib.contextmanager
 def quiet_notices() -> Iterator[None]:
     """Hide QUIET_NOTICES and megatron's log messages below ERROR inside the block only."""
@@ -47,8 +66,9 @@ def quiet_notices() -> Iterator[None]:
 
 
 def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], int]:
-    """Wrap a CLI main: a UserError prints one line and exits 2; `--debug` shows the traceback.
-    On return the process group and the accelerator are released."""
+    """Wrap a CLI main: a UserError, or an OSError of `os_error_message` (disk full, read-only,
+    permission denied), prints one line and exits 2; `--debug` shows the traceback. On return
+    the process group and the accelerator are released."""
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
@@ -63,6 +83,12 @@ def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], 
             if debug:
                 raise
             print(f"error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            message = None if debug else os_error_message(e, argv[0] if argv else "")
+            if message is None:
+                raise
+            print(f"error: {message}", file=sys.stderr)
             return 2
         finally:
             import torch.distributed as dist

@@ -159,6 +159,10 @@ def generate(args) -> int:
     from loongforge.core.data.text import load_tokenizer
     from loongforge.llm.model_io import load_model, tokenizer_dir_for
 
+    if not args.prompt:
+        raise UserError('--prompt is empty; give the text to continue, e.g. --prompt "Ada gave the"')
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
     tok_path = args.tokenizer
     if tok_path is None:
         found = tokenizer_dir_for(args.model)
@@ -166,8 +170,11 @@ def generate(args) -> int:
             raise UserError(f"no tokenizer found with {args.model}; pass --tokenizer")
         tok_path = str(found)
     tok = load_tokenizer(tok_path)
+    prompt_ids = tok(args.prompt, add_special_tokens=False)["input_ids"]
+    if not prompt_ids:
+        raise UserError(f"--prompt {args.prompt!r} encodes to no tokens with the tokenizer at {tok_path}; give some text")
     model = load_model(args.model, args.base)
-    ids = torch.tensor([tok(args.prompt, add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor([prompt_ids])
     out = model.generate(ids, args.max_new_tokens, eos_token_id=tok.eos_token_id)
     print(tok.decode(out[0].tolist()))
     return 0

@@ -5,7 +5,6 @@ asks for, with the recipe's data and HF import/export."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -22,11 +21,12 @@ from loongforge.core.foundation.hf_mapping import hf_to_lf as map_hf_to_lf
 from loongforge.core.foundation.lora import is_adapter_key
 from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
 from loongforge.core.ops import OpTable
+from loongforge.core.outputs import replaced_dir
 from loongforge.core.parallel import on_rank0
 from loongforge.core.registry import registry
 from loongforge.core.stacks.build import build_stack
 from loongforge.core.train.precision import resolve_params_dtype
-from loongforge.core.train.run_dir import prepare_run_dir, run_identity, start_run_dir, weight_source
+from loongforge.core.train.run_dir import files_identity, fingerprint, prepare_run_dir, run_identity, start_run_dir, weight_source
 from loongforge.core.train.task import TrainingTask
 from loongforge.core.train.trainer import Trainer
 from loongforge.llm import data as text_data
@@ -94,15 +94,43 @@ def check_same_model(saved: ModelConfig, wanted: ModelConfig, where: Path) -> No
 
 
 def ensure_data(cfg, tok, run_dir: Path) -> list:
-    """`data.data_path` as given, or the raw `data.corpus` preprocessed once into run_dir/data."""
+    """`data.data_path` as given, or the raw `data.corpus` preprocessed once into
+    run_dir/data/corpus-<key>, the key naming the source files (path, size, modification time)
+    and the tokenizer's: a changed corpus or tokenizer is preprocessed again, never reused."""
     if cfg.data.data_path:
         return cfg.data.data_path
     if not cfg.data.corpus:
         raise UserError("set data.data_path (preprocessed prefixes) or data.corpus (raw text files)")
-    prefix = run_dir / "data" / "corpus_text_document"
-    if not Path(f"{prefix}.idx").is_file():
-        on_rank0(lambda: text_data.preprocess([str(resolve_corpus(c)) for c in cfg.data.corpus], tok, str(prefix)))
+    sources = [resolve_corpus(c) for c in cfg.data.corpus]
+    for src in sources:
+        if not src.is_file():
+            raise UserError(f"data.corpus: {src} is not a file")
+    tok_files = sorted(p for p in resolve_tokenizer_path(cfg.data.tokenizer).iterdir() if p.is_file())
+    key = fingerprint({"corpus": files_identity(sources), "tokenizer": files_identity(tok_files)})
+    out = run_dir / "data" / f"corpus-{key}"
+    prefix = out / "corpus_text_document"
+
+    def build():
+        if Path(f"{prefix}.idx").is_file():
+            return
+        with replaced_dir(out) as tmp:
+            text_data.preprocess([str(s) for s in sources], tok, str(tmp / prefix.name))
+
+    on_rank0(build)
     return [str(prefix)]
+
+
+def _data_files(prefixes) -> list[Path]:
+    """The .bin/.idx files of `data.data_path` (a list of prefixes, optionally weighted)."""
+    return [Path(f"{p}{suffix}") for p in prefixes if not _is_number(p) for suffix in (".bin", ".idx")]
+
+
+def _is_number(item) -> bool:
+    try:
+        float(item)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def resolve_corpus(item: str) -> Path:
@@ -142,7 +170,7 @@ def pretrain_data(cfg, tok, dp_rank: int, dp_size: int, run_dir: Path, device) -
         tok,
         t.seed,
         [t.train_iters * t.global_batch_size, max(1, n_evals * t.eval_iters * t.global_batch_size), 0],
-        run_dir / "data" / "cache",
+        run_dir / "data" / f"cache-{fingerprint(files_identity(_data_files(data_cfg.data_path)))}",
     )
 
     def step_mbs(ds, step):
@@ -254,36 +282,34 @@ def train(cfg, make_data: Callable) -> dict:
     ops = OpTable.build(cfg.ops, registry(), acc.device_type)
     run_dir = Path(cfg.checkpoint.run_dir)
     identity = run_identity(cfg.train, model=mcfg, data=cfg.data, load=cfg.checkpoint.load, lora=cfg.lora)
-    resume_from = prepare_run_dir(cfg.checkpoint, identity)
+    start = prepare_run_dir(cfg.checkpoint, identity)
+    resume_from = start.resume_from
     if resume_from is not None:
         check_same_model(model_config_from_manifest(read_manifest(resume_from)), mcfg, resume_from)
 
     def copy_tok(run_dir: Path):
-        if not (run_dir / "tokenizer").exists():
-            (run_dir / "tokenizer").mkdir()
-            copy_tokenizer(resolve_tokenizer_path(cfg.data.tokenizer), run_dir / "tokenizer")
+        # a fresh start replaces whatever tokenizer/ an earlier run left; a resume keeps its own
+        if resume_from is None or not (run_dir / "tokenizer").is_dir():
+            with replaced_dir(run_dir / "tokenizer") as tmp:
+                copy_tokenizer(resolve_tokenizer_path(cfg.data.tokenizer), tmp)
 
-    start_run_dir(cfg.checkpoint, resume_from, copy_tok)
+    start_run_dir(cfg.checkpoint, start, identity, copy_tok)
     device = acc.device()
     data = make_data(cfg, tok, stack.dp_rank, stack.dp_size, run_dir, device)
     task = CausalLMTask(cfg, mcfg, source, stack, ctx, ops, data, device, run_dir)
     run_config = dataclasses.asdict(cfg)
     run_config["model"] = dataclasses.asdict(mcfg)
     trainer = Trainer(cfg.train, cfg.checkpoint, stack, acc, task, run_config, identity, ops)
-    return trainer.run(resume_from)
+    return trainer.run(resume_from, verified=True)
 
 
 def export_hf(step_dir: Path, out: Path, in_process: bool, direction: str = "lf-to-hf") -> None:
     """Write `out` from a checkpoint: an HF model directory (LoRA merged in), or with
     direction="lf-to-peft" the LoRA adapter in PEFT's format. A previous export there is
-    replaced only once the new one is complete."""
-    new = out.with_name(out.name + ".new")
-    shutil.rmtree(new, ignore_errors=True)
-    if in_process:
-        (lf_to_hf if direction == "lf-to-hf" else lf_to_peft)(step_dir, new)
-    else:
-        run_converter_subprocess(direction, step_dir, new)
-    if out.exists():
-        shutil.rmtree(out)
-    new.rename(out)
+    replaced only once the new one is complete and on disk."""
+    with replaced_dir(out) as new:
+        if in_process:
+            (lf_to_hf if direction == "lf-to-hf" else lf_to_peft)(step_dir, new)
+        else:
+            run_converter_subprocess(direction, step_dir, new)
     print(f"exported {'HF model' if direction == 'lf-to-hf' else 'PEFT adapter'} to {out}", flush=True)

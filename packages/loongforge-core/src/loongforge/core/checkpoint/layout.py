@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -13,6 +14,42 @@ from loongforge.core.errors import UserError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entries to the disk (a rename is durable only once its
+    directory is)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory, deepest first, `root` last."""
+    root = Path(root)
+    dirs = [root]
+    for p in sorted(root.rglob("*")):
+        if p.is_dir():
+            dirs.append(p)
+        elif p.is_file():
+            fsync_path(p)
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        fsync_path(d)
+
+
+def write_durable(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically and durably: a temporary file, fsync, rename, fsync
+    of the directory. A crash leaves the old content or the new one, never a torn file."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
 def sha256_file(path: Path) -> str:
@@ -113,24 +150,69 @@ class CheckpointDir:
         return tmp
 
     def commit(self, tmp: Path, step: int, manifest: dict, keep_last: int = 0) -> Path:
-        """Write the manifest with checksums, rename into place, then move `latest`."""
+        """Make step `step` durable and current, in an order that a crash or power loss at any
+        point leaves either the previous state or the new one: every file of `tmp` and the
+        manifest with their checksums fsynced, `tmp` renamed into place, the directory fsynced,
+        then `latest` replaced the same way. With `keep_last`, older checkpoints of the same run
+        (by the manifests' run identity) are pruned; another run's are never touched."""
         manifest = dict(manifest, format_version=FORMAT_VERSION, step=step, saved_at=time.time())
         manifest["files"] = {str(p.relative_to(tmp)): sha256_file(p) for p in _files(tmp)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+        fsync_tree(tmp)
         final = self.root / self.step_name(step)
         if final.exists():
             # Replaced only after the new copy is complete (a re-save of the same step).
             old = final.with_name(final.name + ".old")
             final.rename(old)
             tmp.rename(final)
+            fsync_path(self.root)
             shutil.rmtree(old)
         else:
             tmp.rename(final)
-        pointer = self.root / "latest.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, self.root / "latest")
+            fsync_path(self.root)
+        write_durable(self.root / "latest", final.name)
         if keep_last > 0:
-            steps = sorted(p for p in self.root.glob("step_*") if p.is_dir() and p != final)
-            for p in steps[: max(0, len(steps) - (keep_last - 1))]:
+            mine = [p for p, m in self.complete() if m.get("run_identity") == manifest.get("run_identity") and p != final]
+            for p in sorted(mine)[: max(0, len(mine) - (keep_last - 1))]:
                 shutil.rmtree(p)
         return final
+
+    def step_dirs(self) -> list[Path]:
+        """Every `step_<n>` directory, newest first, complete or not."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if p.is_dir() and re.fullmatch(r"step_\d+", p.name)]
+        return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+    def complete(self) -> list[tuple[Path, dict]]:
+        """(step directory, manifest) of every step directory whose manifest reads, newest first
+        (the files' checksums are not checked here)."""
+        out = []
+        for p in self.step_dirs():
+            try:
+                out.append((p, read_manifest(p)))
+            except UserError:
+                pass
+        return out
+
+    def recover(self) -> list[str]:
+        """Undo what a crash inside `commit` or a save can leave (the run directory's owner calls
+        this at start, before anything writes): a re-saved step whose old copy was renamed but
+        not yet replaced comes back; unfinished `.tmp-step_*` directories go. Returns what was
+        done, for the log."""
+        done = []
+        if not self.root.is_dir():
+            return done
+        for old in sorted(self.root.glob("step_*.old")):
+            target = old.with_name(old.name[: -len(".old")])
+            if target.exists():
+                shutil.rmtree(old)
+            else:
+                old.rename(target)
+                done.append(f"restored {target.name} from an interrupted re-save")
+        for tmp in sorted(self.root.glob(".tmp-step_*")):
+            shutil.rmtree(tmp)
+            done.append(f"removed the unfinished save {tmp.name}")
+        for tmp in self.root.glob("latest.tmp*"):
+            tmp.unlink()
+        return done

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
+from loongforge.core.config.schema import validate_sections
 from loongforge.core.errors import UserError
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -77,7 +78,8 @@ def _parse_override(item: str) -> dict:
 
 def load_config(schema, path: str | Path | None = None, overrides: Iterable[str] = (), search: Iterable[Path] = ()):
     """Return a validated `schema` instance. Unknown keys name their path and the closest valid
-    name; a value of the wrong type names the expected type."""
+    name; a value of the wrong type names the expected type; a `train`/`checkpoint` value out of
+    range (`validate_sections`) names its key and the allowed range."""
     layers = [_read_yaml(Path(path), list(search))] if path else []
     layers += [_parse_override(o) for o in overrides]
     base = OmegaConf.structured(schema)
@@ -89,4 +91,6 @@ def load_config(schema, path: str | Path | None = None, overrides: Iterable[str]
             key = getattr(e, "full_key", None) or "?"
             msg = str(e).splitlines()[0]
             raise UserError(f"config key '{key}': {msg}") from None
-    return OmegaConf.to_object(base)
+    cfg = OmegaConf.to_object(base)
+    validate_sections(cfg)
+    return cfg

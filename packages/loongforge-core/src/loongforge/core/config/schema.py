@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional
+
+from loongforge.core.errors import UserError
+
+
+def _at_least(prefix: str, obj, name: str, low, hint: str = "") -> None:
+    """A UserError naming `prefix+name` unless the value is at least `low` (NaN is not)."""
+    value = getattr(obj, name)
+    if not value >= low:
+        raise UserError(f"{prefix}{name}={value} must be at least {low}{hint}")
 
 
 @dataclass
@@ -50,6 +60,23 @@ class TrainConfig:
     eval_iters: int = 2
     save_interval: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
 
+    def validate(self, prefix: str = "train.") -> None:
+        """Sizes, intervals and rates a run can use; the loader calls it before anything is built."""
+        for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "max_bad_steps"):
+            _at_least(prefix, self, name, 1)
+        _at_least(prefix, self, "save_interval", 0, " (0: save only at the end)")
+        _at_least(prefix, self, "eval_interval", 0, " (0: never evaluate)")
+        if self.eval_interval > 0:
+            _at_least(
+                prefix,
+                self,
+                "eval_iters",
+                1,
+                f" when {prefix}eval_interval={self.eval_interval} (or set {prefix}eval_interval=0: no evaluation)",
+            )
+        _at_least(prefix, self, "lr", 0)
+        _at_least(prefix, self, "clip_grad", 0, " (0: no clipping)")
+
 
 @dataclass
 class CheckpointConfig:
@@ -59,6 +86,22 @@ class CheckpointConfig:
         False  # with a LoongForge checkpoint.load: also take its AdamW state (the step count and LR schedule start fresh)
     )
     resume: bool = False  # continue from run_dir's checkpoints even if the config changed
-    overwrite: bool = False  # move another run's checkpoints in run_dir aside and start fresh
+    overwrite: bool = False  # set another (or a damaged) run in run_dir aside as <run_dir>.previous-<time> and start fresh
     export_hf: bool = True  # write an HF directory at the end of training
     keep_last: int = 0  # 0: keep every checkpoint
+
+    def validate(self, prefix: str = "checkpoint.") -> None:
+        _at_least(prefix, self, "keep_last", 0, " (0: keep every checkpoint)")
+
+
+def validate_sections(cfg, prefix: str = "") -> None:
+    """Validate every TrainConfig and CheckpointConfig section of a loaded config (named by
+    its path, e.g. `train.`), at any depth; `load_config` calls it on what it returns."""
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        return
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, (TrainConfig, CheckpointConfig)):
+            value.validate(f"{prefix}{f.name}.")
+        else:
+            validate_sections(value, f"{prefix}{f.name}.")

@@ -12,11 +12,13 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
 from loongforge.core.errors import UserError
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -233,16 +235,18 @@ def validate_components(parallel_cfg, world_size: int, known_components) -> dict
     return layouts
 
 
-def on_rank0(fn: Callable[[], None]) -> None:
-    """Run `fn` on global rank 0 only; every rank then raises rank 0's UserError, if it raised
-    one, so no rank is left waiting in a collective for a rank that failed."""
-    error = [None]
+def on_rank0(fn: Callable[[], T]) -> T:
+    """Run `fn` on global rank 0 only and return its value on every rank (broadcast; keep it
+    small and picklable); every rank raises rank 0's UserError, if it raised one, so no rank is
+    left waiting in a collective for a rank that failed."""
+    box: list = [None, None]  # [error message, value]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            fn()
+            box[1] = fn()
         except UserError as e:
-            error[0] = str(e)
+            box[0] = str(e)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise UserError(error[0])
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise UserError(box[0])
+    return box[1]

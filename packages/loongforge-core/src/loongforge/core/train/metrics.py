@@ -7,7 +7,28 @@ import json
 import math
 from pathlib import Path
 
+from loongforge.core.checkpoint.layout import write_durable
 from tqdm import tqdm
+
+
+def keep_until(path: Path, step: int) -> None:
+    """Drop the rows of `path` (metrics.jsonl) logged after `step`, and a torn last line: what a
+    run resumed at `step` (0: a fresh start) will log again. Rewritten atomically."""
+    if not path.is_file():
+        return
+    kept, changed = [], False
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            keep = isinstance(row, dict) and row.get("step", 0) <= step
+        except ValueError:
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            changed = True
+    if changed:
+        write_durable(path, "".join(k + "\n" for k in kept))
 
 
 class Metrics:
@@ -16,10 +37,14 @@ class Metrics:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        path = run_dir / "metrics.jsonl"
+        keep_until(path, start)
+        self.jsonl = open(path, "a")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        # steps after `start` that an interrupted run logged are hidden from TensorBoard, as
+        # they are dropped from metrics.jsonl: a resumed run plots as one curve
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1)
         self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
 
     def log(self, record: dict) -> None:

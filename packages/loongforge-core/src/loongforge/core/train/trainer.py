@@ -18,6 +18,7 @@ are read for logging at the log interval only.
 from __future__ import annotations
 
 import base64
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -82,8 +83,9 @@ class Trainer:
             groups, update=self.ops.adamw, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay
         )
 
-    def setup(self, resume_from: Path | None = None) -> None:
-        """Build the model and optimizer; load the starting weights, or resume from a checkpoint."""
+    def setup(self, resume_from: Path | None = None, verified: bool = False) -> None:
+        """Build the model and optimizer; load the starting weights, or resume from a checkpoint
+        (`verified`: its files were already checked against the manifest's checksums)."""
         self.acc.manual_seed(self.cfg.seed)
         self.stack.activation_shape = self.task.activation_shape
         self.model = self.stack.prepare(self.task.build_model())
@@ -94,7 +96,7 @@ class Trainer:
         if resume_from is not None:
             if self.task.trainable_only:
                 self.task.initial_weights(self.model, None, self.stack)
-            self.load(resume_from)
+            self.load(resume_from, verify=not verified)
             if self.rank0:
                 print(f"resumed from {resume_from} at step {self.state['step']}", flush=True)
         else:
@@ -176,7 +178,13 @@ class Trainer:
         if self.rank0:
             ckdir.begin(step)
         dist.barrier()
-        self.stack.save(tmp, self.model, self.optimizer, self._select)
+        try:
+            self.stack.save(tmp, self.model, self.optimizer, self._select)
+        except BaseException:
+            # (a full disk, say): the unfinished step goes, the newest checkpoint stays as it was
+            if self.rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         dist.barrier()
 
         def commit():
@@ -190,8 +198,9 @@ class Trainer:
         on_rank0(commit)
         return ckdir.root / ckdir.step_name(step)
 
-    def load(self, step_dir: Path) -> None:
-        on_rank0(lambda: verify_files(step_dir))
+    def load(self, step_dir: Path, verify: bool = True) -> None:
+        if verify:
+            on_rank0(lambda: verify_files(step_dir))
         m = read_manifest(step_dir)
         self.state = dict(m["trainer"])
         adam_steps = self.state["optimizer_steps"] + self.state.get("inherited_optimizer_steps", 0)
@@ -200,9 +209,9 @@ class Trainer:
         self.acc.set_rng_state({k: v for k, v in rng.items() if k == "cpu" or self.acc.device_type == "cuda"})
 
     # ---- the loop ----------------------------------------------------------------------
-    def run(self, resume_from: Path | None = None) -> dict:
+    def run(self, resume_from: Path | None = None, verified: bool = False) -> dict:
         cfg = self.cfg
-        self.setup(resume_from)
+        self.setup(resume_from, verified)
         old_handlers = self._install_signals()
         metrics = Metrics(self.run_dir, cfg.train_iters, self.state["step"], enabled=self.rank0)
         batches = self.task.batches(self.state["step"])

@@ -1,0 +1,64 @@
+"""kill -9 of a trainer that has saved a checkpoint leaves no process of its behind (megatron's
+checkpoint writer keeps a multiprocessing Manager server, and with it a resource tracker, for
+the life of the trainer)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST, cli_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux only)")]
+
+
+def _session(sid: int) -> dict[int, str]:
+    """{pid: command line} of every live process of session `sid` (zombies left out)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, pgrp, session
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found[int(entry.name)] = cmd
+    return found
+
+
+def test_kill_after_checkpoint_leaves_no_processes(tmp_path):
+    args = [*FAST, "train.save_interval=2", "train.train_iters=200", f"checkpoint.run_dir={tmp_path}"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "loongforge.llm.cli", "train", "tiny", *args],
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # leads its own session: everything it starts shares its session id
+    )
+    try:
+        latest = tmp_path / "checkpoints" / "latest"
+        deadline = time.time() + 300
+        while not latest.exists() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        assert latest.exists(), f"no checkpoint (exit status {p.poll()})"
+        os.kill(p.pid, signal.SIGKILL)  # the trainer alone, not its process group
+        p.wait()
+        deadline = time.time() + 10
+        while (left := _session(p.pid)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not left, "outlived the trainer:\n" + "\n".join(f"{pid}: {cmd}" for pid, cmd in sorted(left.items()))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for pid in _session(p.pid):  # don't leave them running after a failure
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
