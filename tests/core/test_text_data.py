@@ -124,7 +124,8 @@ EXPECTED = {
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwarm\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\nIt is sunny.<|im_end|>\n",
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>It is sunny.<|im_end|>',
+        # trained: each answer, its end-of-turn token and the newline after it
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\nIt is sunny.<|im_end|>\n',
     ),
     "llama3": (
         "<|endoftext|><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"

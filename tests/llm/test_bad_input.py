@@ -2,6 +2,7 @@
 
 import errno
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -321,3 +322,22 @@ def test_read_only_run_dir(tmp_path):
         ro.chmod(0o755)
     line = _one_line_error(r, str(ro))
     assert "permission denied" in line and "Traceback" not in r.stderr
+
+
+def test_sft_dry_run_shows_trained_spans_and_bad_rows(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Who has the kite?"}, {"role": "assistant", "content": "Ben has it."}]})
+        + "\n"
+        + json.dumps(
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Who?"}]}
+        )
+        + "\n"
+    )
+    args = ["preprocess", "--sft", "--input", str(rows), "--format", "openai", "--tokenizer", "tiny", "--template", "qwen2"]
+    r = run_cli([*args, "--dry-run", "5"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[[Ben has it.<|im_end|>\n]]" in r.stdout
+    assert "row 1: bad row, skipped in training (no_final_assistant" in r.stdout
+    assert not list(tmp_path.glob("*/"))  # nothing written
+    _one_line_error(run_cli([*args, "--dry-run", "-1"]), "--dry-run=-1")

@@ -27,6 +27,7 @@ PREPROCESS_EXAMPLES = """examples:
   loongforge-llm preprocess --input corpus.jsonl --tokenizer /models/Llama-3.2-1B --output-prefix data/corpus --workers 8
   loongforge-llm preprocess --sft --input chats.jsonl --format openai --tokenizer /models/Qwen3-8B --template qwen3 \\
       --seq-length 8192 --output-dir data/chats-8k
+  loongforge-llm preprocess --sft --input chats.jsonl --format openai --tokenizer /models/Qwen3-8B --dry-run 3   # what is trained
   loongforge-llm train sft data.prepacked=data/chats-8k data.tokenizer=/models/Qwen3-8B data.seq_length=8192 checkpoint.load=/models/Qwen3-8B"""
 
 
@@ -69,6 +70,13 @@ def parser() -> argparse.ArgumentParser:
     sft.add_argument("--append-eos", action="store_true")
     sft.add_argument("--on-bad-sample", default="skip", choices=["skip", "error"])
     sft.add_argument("--seed", type=int, default=1234, help="order of the samples before packing")
+    sft.add_argument(
+        "--dry-run",
+        type=int,
+        metavar="N",
+        default=0,
+        help="print the first N rows as rendered, trained tokens between [[ and ]], bad rows with their reason; write nothing",
+    )
     c = sub.add_parser(
         "convert", help="HF <-> LoongForge checkpoints", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -129,8 +137,10 @@ def main(argv: list[str]) -> int:
 def preprocess_sft(args) -> int:
     from loongforge.core.data.text import SFTDataConfig, SFTDatasetConfig, load_tokenizer, write_prepacked
 
-    if not args.output_dir:
-        raise UserError("preprocess --sft needs --output-dir")
+    if not args.output_dir and not args.dry_run:
+        raise UserError("preprocess --sft needs --output-dir (or --dry-run N to look at N rows)")
+    if args.dry_run < 0:
+        raise UserError(f"--dry-run={args.dry_run} must be a number of rows (at least 1)")
     if len(args.input) != 1:
         raise UserError("preprocess --sft takes one --input (a file, or a directory of shards)")
     if args.seq_length < 2:
@@ -150,7 +160,32 @@ def preprocess_sft(args) -> int:
         append_eos=args.append_eos,
         on_bad_sample=args.on_bad_sample,
     )
-    print(json.dumps(write_prepacked(d, load_tokenizer(args.tokenizer), args.output_dir, args.seed)))
+    tok = load_tokenizer(args.tokenizer)
+    if args.dry_run:
+        return dry_run(d, tok, args.dry_run)
+    print(json.dumps(write_prepacked(d, tok, args.output_dir, args.seed)))
+    return 0
+
+
+def dry_run(d, tok, n: int) -> int:
+    """The first `n` rows of the (one) dataset as the model sees them, trained tokens marked."""
+    from loongforge.core.data.text import IGNORE, BadSample, sft_rows, sft_tokenizer, to_messages
+    from loongforge.core.data.text.assistant_mask import marked_text
+
+    st = sft_tokenizer(d, tok)
+    ds = d.datasets[0]
+    rows = sft_rows(ds.path)
+    print(f"{min(n, len(rows))} of {len(rows)} rows of {ds.path} ({ds.format}); trained tokens between [[ and ]]")
+    for i in range(min(n, len(rows))):
+        try:
+            conv = to_messages(rows[i], ds.format, ds.keys)
+            sample = st(conv.messages, tools=conv.tools)
+        except BadSample as e:
+            print(f"--- row {i}: bad row, skipped in training ({e})")
+            continue
+        trained = [x != IGNORE for x in sample["labels"]]
+        print(f"--- row {i}: {len(trained)} tokens, {sum(trained)} trained")
+        print(marked_text(tok, sample["input_ids"], trained))
     return 0
 
 

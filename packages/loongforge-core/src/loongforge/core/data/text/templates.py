@@ -1,17 +1,21 @@
 """Chat templates with assistant-token masks.
 
 The tokenizer's own Jinja template is used when it has one; the built-in templates serve
-tokenizers that have none. Every built-in template marks assistant text with `{% generation %}`
-blocks, so HF's `apply_chat_template(..., return_assistant_tokens_mask=True)` gives an explicit
-mask (no string matching). A tokenizer's own template without such blocks gets no loss mask
-from it: the tokenizer is refused with a message naming the built-in templates to use instead.
+tokenizers that have none. A template with `{% generation %}` blocks (every built-in one) marks
+the assistant text itself, so HF's `apply_chat_template(..., return_assistant_tokens_mask=True)`
+gives the mask; any other template's mask comes from rendering the conversation incrementally
+(`assistant_mask`), refused for a conversation on which the template is not prefix-stable.
+Either way the trained tokens are each assistant turn's content, its end-of-turn token and the
+separator the template puts after it.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
-from loongforge.core.data.text.formats import BadSample
+from loongforge.core.data.text.assistant_mask import NotPrefixStable, incremental_mask
+from loongforge.core.data.text.formats import BadSample, Conversation
 from loongforge.core.errors import UserError
 
 # A tool call, as HF chat templates take it: {"name", "arguments"} or {"function": {...}}.
@@ -23,7 +27,7 @@ _IM = (
     "{%- for call in m.get('tool_calls') or [] %}"
     + _CALL
     + "{{ '\n' if (m['content'] or not loop.first) }}<tool_call>\n{\"name\": \"{{ c['name'] }}\", \"arguments\": {{ c['arguments'] | tojson }}}\n</tool_call>"
-    "{%- endfor %}<|im_end|>{% endgeneration %}{{ '\\n' }}"
+    "{%- endfor %}<|im_end|>{{ '\\n' }}{% endgeneration %}"
     "{%- elif m['role'] == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{%- endif %}"
     "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
@@ -59,6 +63,7 @@ BUILTIN_TEMPLATES = {
 }
 
 IGNORE = -100
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class SFTTokenizer:
@@ -82,14 +87,14 @@ class SFTTokenizer:
         if template is not None:
             if template not in BUILTIN_TEMPLATES:
                 raise UserError(f"unknown chat template {template!r}; built-in: {', '.join(BUILTIN_TEMPLATES)}")
-            self.template = BUILTIN_TEMPLATES[template]
+            self.template, self.template_name = BUILTIN_TEMPLATES[template], f"the built-in template {template!r}"
         elif getattr(tokenizer, "chat_template", None):
-            if "generation" not in tokenizer.chat_template:
+            self.template, self.template_name = tokenizer.chat_template, "the tokenizer's chat template"
+            if not _GENERATION.search(self.template) and not getattr(tokenizer, "is_fast", False):
                 raise UserError(
-                    "the tokenizer's chat template has no {% generation %} blocks, so it gives no assistant mask; "
-                    f"set a built-in template ({', '.join(BUILTIN_TEMPLATES)})"
+                    "the tokenizer's chat template has no {% generation %} blocks and the tokenizer gives no character "
+                    f"offsets (not a fast tokenizer), so no assistant mask can be derived; set a built-in template ({', '.join(BUILTIN_TEMPLATES)})"
                 )
-            self.template = tokenizer.chat_template
         else:
             raise UserError(f"the tokenizer has no chat template; set a built-in one ({', '.join(BUILTIN_TEMPLATES)})")
         self.max_length = max_length
@@ -100,11 +105,10 @@ class SFTTokenizer:
         self.append_eos = append_eos
         self.stats: Counter = Counter()
 
-    def __call__(self, messages: list[dict]) -> dict:
-        out = self.tok.apply_chat_template(
-            messages, chat_template=self.template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    def __call__(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
+        if isinstance(messages, Conversation):
+            messages, tools = messages.messages, messages.tools if tools is None else tools
+        ids, mask = self._masked(messages, tools)
         if self.append_eos and ids[-1] != self.tok.eos_token_id:
             ids.append(self.tok.eos_token_id)
             mask.append(1)
@@ -113,10 +117,28 @@ class SFTTokenizer:
         if self.train_on_prompt:
             mask = [1] * len(ids)
         elif self.last_turn_only:
-            last_start = max(i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1]))
-            mask = [m if i >= last_start else 0 for i, m in enumerate(mask)]
+            starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+            mask = [m if starts and i >= starts[-1] else 0 for i, m in enumerate(mask)]
         labels = [t if m else IGNORE for t, m in zip(ids, mask)]
         return {"input_ids": ids, "labels": labels}
+
+    def _masked(self, messages: list[dict], tools) -> tuple[list[int], list[int]]:
+        """(input ids, assistant mask): from the template's `{% generation %}` blocks where it has
+        them, else by incremental rendering (`assistant_mask`)."""
+        if _GENERATION.search(self.template):
+            extra = {"tools": tools} if tools is not None else {}
+            out = self.tok.apply_chat_template(
+                messages, chat_template=self.template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **extra
+            )
+            return list(out["input_ids"]), list(out["assistant_masks"])
+        try:
+            return incremental_mask(self.tok, self.template, messages, tools, turns="last" if self.last_turn_only else "all")
+        except NotPrefixStable as e:
+            raise UserError(
+                f"{self.template_name} is not prefix-stable on this conversation: it renders assistant turn {e.index} "
+                "differently once later turns follow (as templates that drop earlier turns' reasoning do), so its "
+                "tokens cannot be masked exactly; set data.last_turn_only=true, or a template with {% generation %} blocks"
+            ) from None
 
     def tokenize_rows(self, rows, fmt: str, keys: dict | None = None, on_bad_sample: str = "skip", require_trained: bool = True):
         """Yield tokenized samples; count bad rows by reason; error on the first with
@@ -128,7 +150,8 @@ class SFTTokenizer:
         trained = 0
         for n, row in enumerate(rows):
             try:
-                sample = self(to_messages(row, fmt, keys))
+                conv = to_messages(row, fmt, keys)
+                sample = self(conv.messages, tools=conv.tools)
             except BadSample as e:
                 self.stats[e.reason] += 1
                 if on_bad_sample == "error":
