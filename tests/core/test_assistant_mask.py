@@ -115,3 +115,24 @@ def test_not_prefix_stable_tokenizer_template_is_refused_by_name(tok):
         SFTTokenizer(own)(messages)
     sample = SFTTokenizer(own, last_turn_only=True)(messages)
     assert tok.decode([t for t in sample["labels"] if t != -100]) == "four.</a>"
+
+
+def test_reasoning_trained_or_masked_by_option(tok):
+    from loongforge.core.data.text import SFTTokenizer
+    from loongforge.core.errors import UserError
+
+    messages = [
+        {"role": "user", "content": "one plus two?"},
+        {"role": "assistant", "reasoning_content": "count up from one", "content": "three."},
+    ]
+    with_r = SFTTokenizer(tok, template="qwen3_thinking")(messages)
+    without = SFTTokenizer(tok, template="qwen3_thinking", train_on_reasoning=False)(messages)
+    assert with_r["input_ids"] == without["input_ids"]  # the same text either way
+
+    def trained(s):
+        return tok.decode([t for t in s["labels"] if t != -100])
+
+    assert trained(with_r) == "<think>\ncount up from one\n</think>\n\nthree.<|im_end|>\n"
+    assert trained(without) == "three.<|im_end|>\n"
+    with pytest.raises(UserError, match="train_on_reasoning=false.*qwen3_thinking"):
+        SFTTokenizer(tok, train_on_reasoning=False)

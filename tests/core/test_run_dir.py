@@ -161,3 +161,28 @@ def test_metrics_keep_the_resumed_steps_only(tmp_path):
     assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == [1, 2, 3]
     keep_until(path, 0)
     assert path.read_text() == ""
+
+
+def test_commit_order_makes_each_step_durable_before_the_next(tmp_path, monkeypatch):
+    """Files and manifest fsynced before the step is renamed into place, the directory fsynced
+    after the rename, and only then `latest` written, fsynced and renamed (a power loss at any
+    point leaves the previous checkpoint or the new one)."""
+    from pathlib import Path
+
+    from loongforge.core.checkpoint import layout
+
+    events = []
+    real_fsync, real_rename, real_replace = layout.fsync_path, Path.rename, os.replace
+    monkeypatch.setattr(layout, "fsync_path", lambda p: (events.append(("fsync", Path(p).name)), real_fsync(p)))
+    monkeypatch.setattr(Path, "rename", lambda self, t: (events.append(("rename", self.name, Path(t).name)), real_rename(self, t))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", Path(a).name, Path(b).name)), real_replace(a, b)))
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", "<latest.tmp>")))
+    _save(tmp_path, 3, "mine")
+    rename = events.index(("rename", ".tmp-step_00000003", "step_00000003"))
+    before = {e[1] for e in events[:rename] if e[0] == "fsync"}
+    assert {"weights.bin", "manifest.json", ".tmp-step_00000003"} <= before
+    assert events[rename + 1] == ("fsync", "checkpoints")
+    replace = next(i for i, e in enumerate(events) if e[0] == "replace")
+    assert events[replace][2] == "latest" and rename < replace
+    assert ("fsync", "<latest.tmp>") in events[rename + 1 : replace]
+    assert events[replace + 1] == ("fsync", "checkpoints")

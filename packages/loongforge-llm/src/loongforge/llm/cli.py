@@ -67,6 +67,7 @@ def parser() -> argparse.ArgumentParser:
     sft.add_argument("--no-packing", action="store_true", help="one padded sample per row")
     sft.add_argument("--train-on-prompt", action="store_true")
     sft.add_argument("--last-turn-only", action="store_true")
+    sft.add_argument("--no-reasoning-loss", action="store_true", help="no loss on the reasoning (<think>) of --template qwen3_thinking")
     sft.add_argument("--append-eos", action="store_true")
     sft.add_argument("--on-bad-sample", default="skip", choices=["skip", "error"])
     sft.add_argument("--seed", type=int, default=1234, help="order of the samples before packing")
@@ -157,6 +158,7 @@ def preprocess_sft(args) -> int:
         packing=not args.no_packing,
         train_on_prompt=args.train_on_prompt,
         last_turn_only=args.last_turn_only,
+        train_on_reasoning=not args.no_reasoning_loss,
         append_eos=args.append_eos,
         on_bad_sample=args.on_bad_sample,
     )

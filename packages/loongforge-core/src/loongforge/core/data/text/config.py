@@ -23,6 +23,7 @@ class SFTDataConfig:
     packing: bool = True  # best-fit decreasing packs (micro_batch_size must be 1); false: one padded sample per row
     train_on_prompt: bool = False
     last_turn_only: bool = False
+    train_on_reasoning: bool = True  # false: no loss on the reasoning (<think> block) of the built-in qwen3_thinking
     append_eos: bool = (
         False  # add the tokenizer's EOS (trained on) after each sample, for models whose EOS is not the template's end of turn
     )

@@ -30,6 +30,7 @@ def sft_tokenizer(d, tok) -> SFTTokenizer:
         train_on_prompt=d.train_on_prompt,
         last_turn_only=d.last_turn_only,
         append_eos=d.append_eos,
+        train_on_reasoning=d.train_on_reasoning,
     )
 
 

@@ -23,7 +23,7 @@ _CALL = "{%- set c = call.function if call.function is defined else call %}"
 _IM = (
     "{%- for m in messages %}"
     "{%- if m['role'] == 'assistant' %}"
-    "<|im_start|>assistant\n{% generation %}{THINK}{{ m['content'] }}"
+    "<|im_start|>assistant\n{THINK}{{ m['content'] }}"
     "{%- for call in m.get('tool_calls') or [] %}"
     + _CALL
     + "{{ '\n' if (m['content'] or not loop.first) }}<tool_call>\n{\"name\": \"{{ c['name'] }}\", \"arguments\": {{ c['arguments'] | tojson }}}\n</tool_call>"
@@ -37,14 +37,22 @@ _IM = (
     "{%- if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{%- endif %}"
 )
 
+_REASONING = "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
+
+
+def _im(think: str, train_think: bool = True) -> str:
+    """The ChatML template with `think` before each answer, inside the trained span or not."""
+    gen = "{% generation %}"
+    return _IM.replace("{THINK}", gen + think if train_think else think + gen)
+
+
 BUILTIN_TEMPLATES = {
-    "qwen2": _IM.replace("{THINK}", ""),
+    "qwen2": _im(""),
     # Qwen3 without thinking: an empty think block precedes every answer.
-    "qwen3": _IM.replace("{THINK}", "<think>\n\n</think>\n\n"),
-    # Qwen3 with thinking: the reasoning, when a message carries it, is trained on too.
-    "qwen3_thinking": _IM.replace(
-        "{THINK}", "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
-    ),
+    "qwen3": _im("<think>\n\n</think>\n\n"),
+    # Qwen3 with thinking: the reasoning, when a message carries it, is trained on too
+    # (data.train_on_reasoning=false: REASONING_MASKED's variant).
+    "qwen3_thinking": _im(_REASONING),
     # Llama 3.1: a tool call is the assistant's JSON {"name", "parameters"}; results come back as `ipython`.
     "llama3": (
         "{{- bos_token }}"
@@ -61,6 +69,8 @@ BUILTIN_TEMPLATES = {
         "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n{{ '\\n' }}{%- endif %}"
     ),
 }
+# the same text, the reasoning outside the trained span
+REASONING_MASKED = {"qwen3_thinking": _im(_REASONING, train_think=False)}
 
 IGNORE = -100
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -70,6 +80,7 @@ class SFTTokenizer:
     """messages -> (input_ids, labels) with the loss only where the options say.
 
     `train_on_prompt`: loss on every token. `last_turn_only`: loss on the last assistant turn only.
+    `train_on_reasoning=False`: no loss on the reasoning (`<think>` block) of a built-in template.
     `append_eos`: the tokenizer's EOS follows the sample (trained on) unless it already ends it.
     Over-long samples raise BadSample("over_long"); `stats` counts kept and bad rows by reason.
     """
@@ -82,12 +93,19 @@ class SFTTokenizer:
         train_on_prompt: bool = False,
         last_turn_only: bool = False,
         append_eos: bool = False,
+        train_on_reasoning: bool = True,
     ):
         self.tok = tokenizer
         if template is not None:
             if template not in BUILTIN_TEMPLATES:
                 raise UserError(f"unknown chat template {template!r}; built-in: {', '.join(BUILTIN_TEMPLATES)}")
-            self.template, self.template_name = BUILTIN_TEMPLATES[template], f"the built-in template {template!r}"
+            chosen = BUILTIN_TEMPLATES if train_on_reasoning else {**BUILTIN_TEMPLATES, **REASONING_MASKED}
+            self.template, self.template_name = chosen[template], f"the built-in template {template!r}"
+        elif not train_on_reasoning:
+            raise UserError(
+                "data.train_on_reasoning=false masks the reasoning where a built-in template renders it: "
+                f"set data.template to one ({', '.join(REASONING_MASKED)})"
+            )
         elif getattr(tokenizer, "chat_template", None):
             self.template, self.template_name = tokenizer.chat_template, "the tokenizer's chat template"
             if not _GENERATION.search(self.template) and not getattr(tokenizer, "is_fast", False):
