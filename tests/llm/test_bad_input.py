@@ -341,3 +341,24 @@ def test_sft_dry_run_shows_trained_spans_and_bad_rows(tmp_path):
     assert "row 1: bad row, skipped in training (no_final_assistant" in r.stdout
     assert not list(tmp_path.glob("*/"))  # nothing written
     _one_line_error(run_cli([*args, "--dry-run", "-1"]), "--dry-run=-1")
+
+
+def test_cli_called_in_process_keeps_the_callers_process_group(monkeypatch):
+    """`main()` tears down only the process group and accelerator it set up itself: a program
+    (or test) that calls it in process with its own group keeps that group."""
+    import loongforge.core.recipes
+    import torch.distributed as dist
+    from loongforge.core.parallel import free_port
+    from loongforge.llm.cli import main
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(loongforge.core.recipes, "train", _raising(OSError(errno.ENOSPC, "No space left on device", "/x")))
+        assert main(["train", "tiny"]) == 2
+        assert dist.is_initialized()
+        dist.barrier()  # still usable
+    finally:
+        if made:
+            dist.destroy_process_group()

@@ -68,10 +68,16 @@ def quiet_notices() -> Iterator[None]:
 def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], int]:
     """Wrap a CLI main: a UserError, or an OSError of `os_error_message` (disk full, read-only,
     permission denied), prints one line and exits 2; `--debug` shows the traceback. On return
-    the process group and the accelerator are released."""
+    the process group and the accelerator are released if this call set them up (a caller that
+    had them, such as a program calling `main` in process, keeps its own)."""
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
+        import torch.distributed as dist
+        from loongforge.core.accelerator import active_accelerator, release_accelerator
+
+        had_group = dist.is_available() and dist.is_initialized()
+        had_accelerator = active_accelerator() is not None
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in argv
         if debug:
@@ -91,11 +97,9 @@ def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], 
             print(f"error: {message}", file=sys.stderr)
             return 2
         finally:
-            import torch.distributed as dist
-            from loongforge.core.accelerator import release_accelerator
-
-            if dist.is_available() and dist.is_initialized():
+            if not had_group and dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
-            release_accelerator()
+            if not had_accelerator:
+                release_accelerator()
 
     return wrapper

@@ -1,5 +1,12 @@
 """Hardware backends behind one interface; `LOONGFORGE_DEVICE` picks one (default: auto)."""
 
-from loongforge.core.accelerator.base import Accelerator, CPUAccelerator, CUDAAccelerator, get_accelerator, release_accelerator
+from loongforge.core.accelerator.base import (
+    Accelerator,
+    CPUAccelerator,
+    CUDAAccelerator,
+    active_accelerator,
+    get_accelerator,
+    release_accelerator,
+)
 
-__all__ = ["Accelerator", "CPUAccelerator", "CUDAAccelerator", "get_accelerator", "release_accelerator"]
+__all__ = ["Accelerator", "CPUAccelerator", "CUDAAccelerator", "active_accelerator", "get_accelerator", "release_accelerator"]

@@ -231,6 +231,11 @@ def get_accelerator(name: str | None = None) -> Accelerator:
     return acc
 
 
+def active_accelerator() -> Accelerator | None:
+    """The accelerator `get_accelerator()` set up in this process, if any."""
+    return _ACTIVE
+
+
 def release_accelerator() -> None:
     """Tear down the process's accelerator (undoing its `setup`) and forget it, so that the
     process is as before the first `get_accelerator()`; the CLIs call this on exit."""
