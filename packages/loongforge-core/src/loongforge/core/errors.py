@@ -73,11 +73,11 @@ def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], 
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
-        import torch.distributed as dist
-        from loongforge.core.accelerator import active_accelerator, release_accelerator
-
-        had_group = dist.is_available() and dist.is_initialized()
-        had_accelerator = active_accelerator() is not None
+        # what the caller already had (looked up, not imported: importing torch here would change
+        # the process's warning filters outside `quiet_notices`)
+        dist_mod, acc_mod = sys.modules.get("torch.distributed"), sys.modules.get("loongforge.core.accelerator.base")
+        had_group = dist_mod is not None and dist_mod.is_available() and dist_mod.is_initialized()
+        had_accelerator = acc_mod is not None and acc_mod.active_accelerator() is not None
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in argv
         if debug:
@@ -97,6 +97,9 @@ def cli_entry(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], 
             print(f"error: {message}", file=sys.stderr)
             return 2
         finally:
+            import torch.distributed as dist
+            from loongforge.core.accelerator import release_accelerator
+
             if not had_group and dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
             if not had_accelerator:
