@@ -28,16 +28,19 @@ def test_keep_or_reset_optimizer_state(hf_llama4, tmp_path):
 
     train("a", 3, f"checkpoint.load={hf_llama4}")
     src = tmp_path / "a" / "checkpoints" / "step_00000003"
-    train("kept", 0, f"checkpoint.load={tmp_path / 'a'}", "checkpoint.load_optimizer=true")
     key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
-    want = _read(src, key)
-    assert want.abs().sum() > 0
-    assert torch.equal(_read(tmp_path / "kept" / "checkpoints" / "step_00000000", key), want)
+    inherited = _read(src, key)
+    assert inherited.abs().sum() > 0
 
     keep = ["checkpoint.load_optimizer=true", f"checkpoint.load={tmp_path / 'a'}"]
-    full = train("full", 4, *keep)
-    reset = train("reset", 4, f"checkpoint.load={tmp_path / 'a'}")
+    full = train("full", 4, *keep, "train.save_interval=1")
+    reset = train("reset", 4, f"checkpoint.load={tmp_path / 'a'}", "train.save_interval=1")
     assert full[1] == reset[1] and full[2] != reset[2]  # same weights; the kept moments change the first update
+    # after the first step, from the same weights and batch: the kept first moment is
+    # beta1 * inherited + (1 - beta1) * g, the reset one (1 - beta1) * g
+    kept_m = _read(tmp_path / "full" / "checkpoints" / "step_00000001", key)
+    reset_m = _read(tmp_path / "reset" / "checkpoints" / "step_00000001", key)
+    torch.testing.assert_close(kept_m, 0.9 * inherited + reset_m, rtol=1e-5, atol=1e-7 * inherited.abs().max().item())
     train("cut", 2, *keep)
     cut = train("cut", 4, *keep)
     for step in (3, 4):

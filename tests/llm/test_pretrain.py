@@ -133,8 +133,9 @@ def test_first_step_loss_equals_hf_loss(hf_llama4, tmp_path):
     from loongforge.llm.config import TextDataConfig
     from loongforge.llm.data import build_gpt_datasets
 
-    cfg = TextDataConfig(data_path=[str(tmp_path / "data" / "corpus_text_document")], seq_length=32, split="95,5,0")
-    train, _, _ = build_gpt_datasets(cfg, load_tokenizer("tiny"), 1234, [4, 1, 0], tmp_path / "data" / "cache")
+    (idx,) = (tmp_path / "data").glob("corpus-*/corpus_text_document.idx")  # the run's corpus cache
+    cfg = TextDataConfig(data_path=[str(idx.with_suffix(""))], seq_length=32, split="95,5,0")
+    train, _, _ = build_gpt_datasets(cfg, load_tokenizer("tiny"), 1234, [4, 1, 0], tmp_path / "test_cache")
     tokens = torch.stack([train[i]["tokens"] for i in range(4)])
     labels = torch.stack([train[i]["labels"] for i in range(4)])
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_llama4)).eval()
