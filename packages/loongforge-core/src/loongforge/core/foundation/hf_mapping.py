@@ -24,6 +24,12 @@ class Row:
     optional: bool = False  # absent on one side (tied output layer, bias off, no qk norm)
 
 
+def prefixed(table, lf_prefix: str = "", hf_prefix: str = "") -> tuple[Row, ...]:
+    """The table's rows with a prefix before every LoongForge and every HF name: one component's
+    table placed inside a composite model (a vision tower inside a policy, say)."""
+    return tuple(Row(lf_prefix + r.lf, tuple(hf_prefix + h for h in r.hf), r.transform, r.optional) for r in table)
+
+
 def _qkv_fuse(q, k, v, groups: int):
     rest = q.shape[1:]
     q = q.reshape(groups, -1, *rest)
