@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 from loongforge.core.errors import UserError
-from loongforge.core.foundation.gemma import GEMMA_TABLE, AdaRMSNorm, GemmaConfig, GemmaModel
+from loongforge.core.foundation.gemma import GEMMA_CAUSAL_LM_TABLE, AdaRMSNorm, GemmaConfig, GemmaModel
 from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf
 from loongforge.core.foundation.siglip import SIGLIP_VISION_TABLE, SiglipVisionConfig, SiglipVisionTower
 
@@ -71,7 +71,7 @@ def test_gemma_logits_match_hf(heads, groups):
     )
     hf = hf_gemma(cfg)
     ours = GemmaModel(cfg).eval()
-    ours.load_state_dict(hf_to_lf(GEMMA_TABLE, hf.state_dict(), cfg), strict=True)
+    ours.load_state_dict(hf_to_lf(GEMMA_CAUSAL_LM_TABLE, hf.state_dict(), cfg), strict=True)
     ids = torch.randint(0, cfg.vocab_size, (2, 11))
     with torch.no_grad():
         want = hf(input_ids=ids).logits
@@ -89,8 +89,8 @@ def test_gemma_logits_match_hf(heads, groups):
 def test_gemma_round_trip_is_bit_identical():
     cfg = GemmaConfig(num_attention_heads=4, num_query_groups=2)
     hf_state = hf_gemma(cfg).state_dict()
-    lf = hf_to_lf(GEMMA_TABLE, hf_state, cfg)
-    back = lf_to_hf(GEMMA_TABLE, lf, cfg)
+    lf = hf_to_lf(GEMMA_CAUSAL_LM_TABLE, hf_state, cfg)
+    back = lf_to_hf(GEMMA_CAUSAL_LM_TABLE, lf, cfg)
     saved = {k: v for k, v in hf_state.items() if k != "lm_head.weight"}  # tied: HF saves it once
     assert back.keys() == saved.keys()
     assert all(torch.equal(back[k], saved[k]) for k in saved)
@@ -105,7 +105,7 @@ def test_adaptive_norm_with_constant_modulation_is_gemma():
     hf = hf_gemma(plain)
     ada_cfg = GemmaConfig(**{**plain.__dict__, "adarms_cond_dim": 8})
     ada = GemmaModel(ada_cfg, embedding=False).eval()
-    lf = hf_to_lf(GEMMA_TABLE, hf.state_dict(), plain)
+    lf = hf_to_lf(GEMMA_CAUSAL_LM_TABLE, hf.state_dict(), plain)
     norms = {k.removesuffix(".weight"): v for k, v in lf.items() if k.endswith("norm.weight")}
     weights = {k: v for k, v in lf.items() if k in ada.state_dict()}
     for name, w in norms.items():

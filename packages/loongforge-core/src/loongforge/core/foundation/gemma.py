@@ -12,7 +12,8 @@ and a gate; the norm returns `rms(x) * (1 + scale) + shift` and the residual it 
 policy can run several decoders through one joint attention (the pi0 "mixture of transformers").
 
 Fused weights: q/k/v are one linear in megatron's grouped layout ([q_1..q_r | k | v] per query
-group) and gate/up one linear [gate | up]; `GEMMA_TABLE` maps both to HF's separate tensors.
+group) and gate/up one linear [gate | up]; `GEMMA_TABLE` maps both to HF's separate tensors of a
+`GemmaModel` (the decoder inside PaliGemma), `GEMMA_CAUSAL_LM_TABLE` to `GemmaForCausalLM`'s.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from loongforge.core.errors import UserError
-from loongforge.core.foundation.hf_mapping import Row
+from loongforge.core.foundation.hf_mapping import Row, prefixed
 from loongforge.core.ops import OpTable
 from loongforge.core.ops.reference import rope_inv_freq
 from torch import nn
@@ -109,10 +110,10 @@ class GemmaConfig:
 
 
 L = "layers.{i}."
-H = "model.layers.{i}."
+H = "layers.{i}."
 
 GEMMA_TABLE = (
-    Row("embed_tokens.weight", ("model.embed_tokens.weight",), optional=True),  # the pi0 action expert has none
+    Row("embed_tokens.weight", ("embed_tokens.weight",), optional=True),  # the pi0 action expert has none
     Row(L + "input_norm.weight", (H + "input_layernorm.weight",), optional=True),
     Row(L + "input_norm.dense.weight", (H + "input_layernorm.dense.weight",), optional=True),
     Row(L + "input_norm.dense.bias", (H + "input_layernorm.dense.bias",), optional=True),
@@ -123,10 +124,13 @@ GEMMA_TABLE = (
     Row(L + "post_attn_norm.dense.bias", (H + "post_attention_layernorm.dense.bias",), optional=True),
     Row(L + "linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "concat"),
     Row(L + "linear_fc2.weight", (H + "mlp.down_proj.weight",)),
-    Row("final_norm.weight", ("model.norm.weight",), optional=True),
-    Row("final_norm.dense.weight", ("model.norm.dense.weight",), optional=True),
-    Row("final_norm.dense.bias", ("model.norm.dense.bias",), optional=True),
+    Row("final_norm.weight", ("norm.weight",), optional=True),
+    Row("final_norm.dense.weight", ("norm.dense.weight",), optional=True),
+    Row("final_norm.dense.bias", ("norm.dense.bias",), optional=True),
 )
+
+
+GEMMA_CAUSAL_LM_TABLE = prefixed(GEMMA_TABLE, hf_prefix="model.")  # HF `GemmaForCausalLM`; lm_head is tied
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
