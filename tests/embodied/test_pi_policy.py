@@ -145,3 +145,22 @@ def test_config_errors():
     pi0 = PiPolicy(tiny("pi0"))
     with pytest.raises(UserError, match="needs observation.state"):
         pi0.predict_velocity(dataclasses.replace(observation(), state=None), torch.zeros(2, 4, 6), torch.ones(2))
+
+
+@pytest.mark.parametrize("variant", ["pi05", "pi0"])
+def test_lerobot_layout_round_trip_and_errors(variant):
+    from loongforge.embodied.policies.lerobot_format import EXPERT_LM_HEAD, from_lerobot, to_lerobot
+
+    cfg = tiny(variant)
+    policy = randomized(PiPolicy(cfg))
+    state = policy.state_dict()
+    exported = to_lerobot(cfg, state)
+    assert "model.paligemma_with_expert.paligemma.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight" in exported
+    assert exported[EXPERT_LM_HEAD].shape == (cfg.expert.vocab_size, cfg.expert.hidden_size)
+    back = from_lerobot(cfg, {k.removeprefix("model."): v for k, v in exported.items()})  # openpi's files lack "model."
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    with pytest.raises(UserError, match=r"LeRobot .* weights: .*has tensor 'model.extra.weight'"):
+        from_lerobot(cfg, {**exported, "model.extra.weight": torch.zeros(1)})
+    del exported["model.action_in_proj.weight"]
+    with pytest.raises(UserError, match="lacks tensor 'model.action_in_proj.weight'"):
+        from_lerobot(cfg, exported)

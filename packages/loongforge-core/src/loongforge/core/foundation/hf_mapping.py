@@ -24,10 +24,18 @@ class Row:
     optional: bool = False  # absent on one side (tied output layer, bias off, no qk norm)
 
 
-def prefixed(table, lf_prefix: str = "", hf_prefix: str = "") -> tuple[Row, ...]:
+def prefixed(table, lf_prefix: str = "", hf_prefix: str = "", rename: dict[str, str] | None = None) -> tuple[Row, ...]:
     """The table's rows with a prefix before every LoongForge and every HF name: one component's
-    table placed inside a composite model (a vision tower inside a policy, say)."""
-    return tuple(Row(lf_prefix + r.lf, tuple(hf_prefix + h for h in r.hf), r.transform, r.optional) for r in table)
+    table placed inside a composite model (a vision tower inside a policy, say). `rename` maps
+    placeholders to new ones (`{"i": "v"}`), for components whose layer counts differ."""
+    subs = {f"{{{a}}}": f"{{{b}}}" for a, b in (rename or {}).items()}
+
+    def name(n: str) -> str:
+        for a, b in subs.items():
+            n = n.replace(a, b)
+        return n
+
+    return tuple(Row(lf_prefix + name(r.lf), tuple(hf_prefix + name(h) for h in r.hf), r.transform, r.optional) for r in table)
 
 
 def _qkv_fuse(q, k, v, groups: int):
