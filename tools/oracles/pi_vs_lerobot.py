@@ -57,7 +57,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def patch_transformers() -> None:
-    """adaRMS Gemma and openpi's PaliGemma / cache behaviour on transformers 4.53.2."""
+    """adaRMS Gemma and openpi's PaliGemma / SigLIP / cache behaviour on transformers 4.53.2."""
     import torch
     import transformers
     from torch import nn
@@ -149,6 +149,8 @@ def patch_transformers() -> None:
                       use_cache=None, adarms_cond=None, **kwargs):  # fmt: skip
         # openpi's GemmaModel: the caller scales the embeddings and passes the 4-d mask
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if len(self.layers):  # openpi: embeddings into the layers' dtype
+            hidden = hidden.to(self.layers[0].self_attn.q_proj.weight.dtype)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         seen = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -170,6 +172,15 @@ def patch_transformers() -> None:
         hidden, _ = self.norm(hidden, adarms_cond)
         return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None)
 
+    from transformers.models.siglip import modeling_siglip as sg
+
+    encoder_forward = sg.SiglipEncoder.forward
+
+    def encoder_forward_patched(self, inputs_embeds, *a, **kw):  # openpi: fp32 embeddings into bf16 layers
+        if len(self.layers):
+            inputs_embeds = inputs_embeds.to(self.layers[0].self_attn.q_proj.weight.dtype)
+        return encoder_forward(self, inputs_embeds, *a, **kw)
+
     def image_features(self, pixel_values):  # openpi: no 1/sqrt(width) scale on the image tokens
         return self.multi_modal_projector(self.vision_tower(pixel_values).last_hidden_state)
 
@@ -189,6 +200,7 @@ def patch_transformers() -> None:
     g.GemmaModel.__init__ = model_init_patched
     g.GemmaModel.forward = model_forward
     pg.PaliGemmaModel.get_image_features = image_features
+    sg.SiglipEncoder.forward = encoder_forward_patched
     check = types.ModuleType("transformers.models.siglip.check")
     check.check_whether_transformers_replace_is_installed_correctly = lambda: True
     sys.modules[check.__name__] = check

@@ -165,7 +165,7 @@ class AdaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if cond is None:
             raise ValueError("an adaptive RMSNorm needs its conditioning vector (cond)")
-        mod = self.dense(cond)
+        mod = self.dense(cond.to(self.dense.weight.dtype))
         if x.dim() == 3:
             mod = mod.unsqueeze(1)
         scale, shift, gate = mod.chunk(3, dim=-1)

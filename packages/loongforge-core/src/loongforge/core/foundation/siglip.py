@@ -140,6 +140,8 @@ class SiglipVisionTower(nn.Module):
             raise ValueError(f"SigLIP tower takes images [batch, {self.cfg.num_channels}, {size}, {size}], got {tuple(pixels.shape)}")
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
         x = x + self.pos_embed.weight.to(x.dtype)
+        if len(self.layers):  # the embeddings may be kept in fp32 beside bf16 layers
+            x = x.to(self.layers[0].qkv.weight.dtype)
         for layer in self.layers:
             x = layer(x)
         return self.final_norm(x)

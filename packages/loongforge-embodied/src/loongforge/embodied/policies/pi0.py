@@ -143,12 +143,12 @@ class PiPolicy(nn.Module):
         """(embeddings [b, m, expert width], pad, block starts, adaRMS condition or None)."""
         cfg = self.cfg
         temb = time_embedding(t, cfg.expert.hidden_size, cfg.min_period, cfg.max_period)
-        actions = self.action_in_proj(noisy)
+        actions = self.action_in_proj(noisy.to(self.action_in_proj.weight.dtype))
         b, chunk = actions.shape[:2]
         starts = torch.zeros(b, chunk, dtype=torch.int32, device=noisy.device)
         starts[:, 0] = 1  # the action chunk is one block after the prefix
         if cfg.variant == "pi05":
-            cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb.to(actions.dtype)))))
+            cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb.to(self.time_mlp_in.weight.dtype)))))
             return actions, torch.ones(b, chunk, dtype=torch.bool, device=noisy.device), starts, cond
         if state is None:
             raise UserError("pi0 needs observation.state (its state token)")
