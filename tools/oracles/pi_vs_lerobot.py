@@ -30,8 +30,11 @@ import importlib.machinery
 import sys
 import types
 
-# lerobot imports these at module level on paths the policy never runs (datasets, robots, video)
-STUBBED = ("datasets", "torchvision", "imageio", "diffusers", "serial", "deepdiff", "einops")
+# lerobot imports these at module level on paths the policy never runs (datasets, robots, video):
+# the first two always get placeholders (the installed `datasets` may need a newer
+# huggingface_hub than transformers 4.53.2 takes), the others only where they are not installed
+ALWAYS_STUBBED = ("datasets", "diffusers")
+STUBBED_IF_MISSING = ("torchvision", "imageio", "serial", "deepdiff", "einops")
 
 
 class _Placeholder(types.ModuleType):
@@ -42,8 +45,16 @@ class _Placeholder(types.ModuleType):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Placeholder modules (installed ones of STUBBED_IF_MISSING import as they are:
+    transformers reads torchvision's real API when it finds it)."""
+
+    def __init__(self):
+        import importlib.util
+
+        self.missing = set(ALWAYS_STUBBED) | {m for m in STUBBED_IF_MISSING if importlib.util.find_spec(m) is None}
+
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in STUBBED:
+        if name.split(".")[0] in self.missing:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
