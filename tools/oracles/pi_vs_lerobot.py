@@ -34,14 +34,60 @@ import types
 # the first two always get placeholders (the installed `datasets` may need a newer
 # huggingface_hub than transformers 4.53.2 takes), the others only where they are not installed
 ALWAYS_STUBBED = ("datasets", "diffusers")
-STUBBED_IF_MISSING = ("torchvision", "imageio", "serial", "deepdiff", "einops")
+STUBBED_IF_MISSING = (
+    "torchvision",
+    "imageio",
+    "serial",
+    "deepdiff",
+    "einops",
+    "av",
+    "torchcodec",
+    "cv2",
+    "pynput",
+    "jsonlines",
+    "rerun",
+    "gymnasium",
+    "termcolor",
+    "wandb",
+)
+
+
+class _AnyMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _named(name)
+
+
+class _Anything(metaclass=_AnyMeta):
+    """Stands for any attribute of a placeholder module, at any depth (`av.logging.WARNING`), as
+    a value, a base class or a callable."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _named(name)
+
+
+_NAMED: dict[str, type] = {}
+
+
+def _named(name: str) -> type:
+    """One distinct `_Anything` subclass per name, so two of them can be bases of one class."""
+    return _NAMED.setdefault(name, _AnyMeta(name, (_Anything,), {}))
 
 
 class _Placeholder(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        return type(name, (), {"__init__": lambda self, *a, **k: None})
+        return _named(name)
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
