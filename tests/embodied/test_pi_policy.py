@@ -138,8 +138,11 @@ def test_config_errors():
     cfg = tiny("pi05")
     with pytest.raises(UserError, match="expert.num_layers=3 must equal policy.backbone.num_layers=2"):
         PiPolicy(dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, num_layers=3)))
-    with pytest.raises(UserError, match="adaptive norms must be on"):
-        PiPolicy(dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, adarms_cond_dim=None)))
+    # pi0.5's expert norms default to conditioning on a vector as wide as the expert; pi0 has none
+    assert PiPolicy(dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, adarms_cond_dim=None))).cfg.expert.adarms_cond_dim == 16
+    assert PiPolicy(PiConfig(variant="pi05")).cfg.expert.adarms_cond_dim == PiConfig().expert.hidden_size
+    with pytest.raises(UserError, match="adaptive norms must be off"):
+        PiPolicy(dataclasses.replace(tiny("pi0"), expert=dataclasses.replace(tiny("pi0").expert, adarms_cond_dim=16)))
     with pytest.raises(UserError, match="variant='pi1'"):
         PiPolicy(dataclasses.replace(cfg, variant="pi1"))
     pi0 = PiPolicy(tiny("pi0"))

@@ -20,6 +20,7 @@ port are the reference implementations this follows):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -53,6 +54,12 @@ class PiConfig:
     time_offset: float = 0.001
     min_period: float = 4e-3
     max_period: float = 4.0
+
+    def resolved(self) -> "PiConfig":
+        """pi0.5's expert conditions its norms on a vector as wide as itself unless told otherwise."""
+        if self.variant == "pi05" and not self.expert.adarms_cond_dim:
+            return dataclasses.replace(self, expert=dataclasses.replace(self.expert, adarms_cond_dim=self.expert.hidden_size))
+        return self
 
     def check(self) -> None:
         if self.variant not in VARIANTS:
@@ -109,6 +116,7 @@ class Observation:
 class PiPolicy(nn.Module):
     def __init__(self, cfg: PiConfig, ops: OpTable | None = None):
         super().__init__()
+        cfg = cfg.resolved()
         cfg.check()
         ops = ops or OpTable()
         self.cfg = cfg
