@@ -8,8 +8,8 @@ the width, RoPE in the half-split layout.
 With `adarms_cond_dim` set, each norm is the adaptive RMSNorm of the pi0.5 action expert: a
 zero-initialized linear maps a conditioning vector (the flow-matching time) to a scale, a shift
 and a gate; the norm returns `rms(x) * (1 + scale) + shift` and the residual it feeds adds
-`gate * y` instead of `y`. Every layer exposes its two halves (`attention_inputs`, `finish`) so a
-policy can run several decoders through one joint attention (the pi0 "mixture of transformers").
+`gate * y` instead of `y`. Every layer exposes its two halves (`phase="inputs"` / `"finish"`) so
+a policy can run several decoders through one joint attention (the pi0 "mixture of transformers").
 
 Fused weights: q/k/v are one linear in megatron's grouped layout ([q_1..q_r | k | v] per query
 group) and gate/up one linear [gate | up]; `GEMMA_TABLE` maps both to HF's separate tensors of a
@@ -223,7 +223,15 @@ class GemmaLayer(nn.Module):
         act, up = self.linear_fc1(normed).chunk(2, dim=-1)
         return gated_residual(x, self.linear_fc2(F.gelu(act, approximate="tanh") * up), gate)
 
-    def forward(self, x, positions, inv_freq, mask=None, cond=None):
+    def forward(self, x, positions=None, inv_freq=None, mask=None, cond=None, *, phase: str = "full", attn=None, gate=None):
+        """The whole layer (`phase="full"`), or one half of it through the module call, so that
+        hooks on the layer (FSDP's parameter gathering, recompute, compile) also serve a caller
+        that runs the attention itself: `phase="inputs"` returns `attention_inputs(x, positions,
+        inv_freq, cond)`, `phase="finish"` returns `finish(x, attn, gate, cond)`."""
+        if phase == "inputs":
+            return self.attention_inputs(x, positions, inv_freq, cond)
+        if phase == "finish":
+            return self.finish(x, attn, gate, cond)
         q, k, v, gate = self.attention_inputs(x, positions, inv_freq, cond)
         return self.finish(x, masked_attention(q, k, v, mask), gate, cond)
 

@@ -176,12 +176,12 @@ class PiPolicy(nn.Module):
         pos_p, pos_s = positions[:, :n], positions[:, n:]
         layers = list(zip(self.backbone.layers, self.expert.layers))
         for idx, (lp, ls) in enumerate(layers):
-            qp, kp, vp, gp = lp.attention_inputs(prefix, pos_p, self.backbone.inv_freq)
-            qs, ks, vs, gs = ls.attention_inputs(suffix, pos_s, self.expert.inv_freq, cond)
+            qp, kp, vp, gp = lp(prefix, pos_p, self.backbone.inv_freq, phase="inputs")
+            qs, ks, vs, gs = ls(suffix, pos_s, self.expert.inv_freq, cond=cond, phase="inputs")
             out = masked_attention(torch.cat([qp, qs], 2), torch.cat([kp, ks], 2), torch.cat([vp, vs], 2), mask)
             if idx < len(layers) - 1:
-                prefix = lp.finish(prefix, out[:, :, :n], gp)
-            suffix = ls.finish(suffix, out[:, :, n:], gs, cond)
+                prefix = lp(prefix, attn=out[:, :, :n], gate=gp, phase="finish")
+            suffix = ls(suffix, cond=cond, attn=out[:, :, n:], gate=gs, phase="finish")
         return self.expert.final_norm(suffix, cond)[0]
 
     def predict_velocity(self, obs: Observation, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -243,10 +243,10 @@ class PiPolicy(nn.Module):
         the suffix, so these are the joint pass's own)."""
         cache, layers = [], self.backbone.layers
         for idx, layer in enumerate(layers):
-            q, k, v, gate = layer.attention_inputs(emb, positions, self.backbone.inv_freq)
+            q, k, v, gate = layer(emb, positions, self.backbone.inv_freq, phase="inputs")
             cache.append((k, v))
             if idx < len(layers) - 1:
-                emb = layer.finish(emb, masked_attention(q, k, v, mask), gate)
+                emb = layer(emb, attn=masked_attention(q, k, v, mask), gate=gate, phase="finish")
         return cache
 
     def cached_velocity(self, cache, p_pad, x_t, t, state) -> torch.Tensor:
@@ -258,11 +258,13 @@ class PiPolicy(nn.Module):
         positions = p_pad.sum(dim=1, keepdim=True) + torch.cumsum(s_pad.to(torch.int64), dim=1) - 1
         h = s_emb.to(cache[0][0].dtype)
         for layer, (kp, vp) in zip(self.expert.layers, cache):
-            q, k, v, gate = layer.attention_inputs(h, positions, self.expert.inv_freq, cond)
-            h = layer.finish(h, masked_attention(q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), mask), gate, cond)
+            q, k, v, gate = layer(h, positions, self.expert.inv_freq, cond=cond, phase="inputs")
+            attn = masked_attention(q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), mask)
+            h = layer(h, cond=cond, attn=attn, gate=gate, phase="finish")
         out = self.expert.final_norm(h, cond)[0]
         return self.action_out_proj(out[:, -self.cfg.chunk_size :].to(self.action_out_proj.weight.dtype))
 
     def blocks(self) -> list[nn.Module]:
-        """Units of FSDP sharding: the vision layers and each decoder's layers."""
+        """Units of FSDP sharding, recompute and compile: the vision layers and each decoder's
+        layers (the joint pass calls each layer's halves through the module, so their hooks run)."""
         return self.vision.blocks() + self.backbone.blocks() + self.expert.blocks()
