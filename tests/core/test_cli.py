@@ -27,13 +27,14 @@ def test_info_lists_packages_components_recipes_configs_and_devices():
         "loongforge-llm 0.1.0",
         "loongforge-kernels 0.1.0",
         "family: llama, qwen2, qwen3",
-        "recipe: llm.pretrain",
+        "recipe: embodied.pi, llm.pretrain, llm.sft",
         "cpu: available",
         "device cpu:",
         "llm.pretrain: schema loongforge.llm.config.PretrainConfig; from loongforge-llm; default of llm configs",
         "llm.sft: schema loongforge.llm.config.SFTConfig; from loongforge-llm",
         "llm/tiny: ",
         "llm/sft: ",
+        "embodied/pi_tiny: ",
     ):
         assert needle in out, out
     tiny = next(ln for ln in out.splitlines() if ln.strip().startswith("llm/tiny: "))

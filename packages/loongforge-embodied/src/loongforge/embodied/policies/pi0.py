@@ -216,6 +216,11 @@ class PiPolicy(nn.Module):
         v_t = self.predict_velocity(obs, x_t, t)
         return (noise - actions - v_t.float()) ** 2
 
+    def forward(self, obs: Observation, actions: torch.Tensor, noise=None, t=None, generator=None) -> torch.Tensor:
+        """The training loss (`flow_matching_loss`): in the module call, so that the data-parallel
+        wrappers' root hooks (FSDP's parameter gathering) run around it."""
+        return self.flow_matching_loss(obs, actions, noise, t, generator)
+
     # ---- inference
     @torch.no_grad()
     def sample_actions(

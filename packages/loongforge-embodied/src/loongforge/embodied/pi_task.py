@@ -1,0 +1,150 @@
+"""The pi0 / pi0.5 training task: LeRobot frames -> policy inputs -> flow-matching loss.
+
+A sample is one frame of one dataset of the mixture: each camera's image (in [-1, 1], resized
+with padding to the vision tower's size, optionally augmented), the normalized state, the prompt
+and the normalized action chunk (`chunk_size` frames from this one, clamped to the episode as
+LeRobot does). pi0.5 writes the state into the prompt as 256 bins of [-1, 1]
+("Task: ..., State: 12 200 ...;\\nAction: "), pi0 feeds it as a vector and prompts with the task.
+The loss is the mean squared velocity error over the chunk's real action dimensions, as LeRobot's.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from loongforge.core.data import rank_micro_batches
+from loongforge.core.errors import UserError
+from loongforge.core.train.task import TrainingTask
+from loongforge.embodied.data import DatasetMixture, LeRobotDataset, check_compatible
+from loongforge.embodied.data.image_transforms import ImageAugment, ImageAugmenter, resize_with_pad
+from loongforge.embodied.data.normalize import Normalizer, compute_stats
+from loongforge.embodied.policies import Observation, PiConfig, PiPolicy
+
+
+def state_prompt(task: str, state: np.ndarray) -> str:
+    """pi0.5's prompt: the task and the normalized state as bins 0..255 of [-1, 1]."""
+    bins = np.digitize(state, bins=np.linspace(-1, 1, 257)[:-1]) - 1
+    text = task.strip().replace("_", " ").replace("\n", " ")
+    return f"Task: {text}, State: {' '.join(map(str, bins))};\nAction: "
+
+
+def dataset_normalizer(ds: LeRobotDataset, modes: dict[str, str]) -> Normalizer:
+    """The dataset's stats, with the statistics a mode needs computed where the files lack them."""
+    need = {"QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90"), "MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max")}
+    stats = {k: dict(v) for k, v in ds.stats.items()}
+    missing = [f for f, m in modes.items() if any(s not in stats.get(f, {}) for s in need.get(str(m).upper(), ()))]
+    for feature, computed in compute_stats(ds, missing).items() if missing else ():
+        stats[feature] = {**stats.get(feature, {}), **computed}
+    return Normalizer(stats, modes)
+
+
+class RobotSamples:
+    """Policy inputs from a mixture of LeRobot datasets, one frame (position) at a time."""
+
+    def __init__(self, datasets: list[LeRobotDataset], weights: list[float], cfg: PiConfig, data_cfg, tokenizer):
+        self.cfg, self.data_cfg, self.tok = cfg, data_cfg, tokenizer
+        first = datasets[0]
+        self.cameras = list(data_cfg.cameras) or list(first.video_keys)
+        if not self.cameras:
+            raise UserError(f"{first.root}: the dataset has no cameras; the policy needs at least one")
+        keys = [data_cfg.state_key, data_cfg.action_key, *self.cameras]
+        check_compatible(datasets, keys)
+        self.state_dim = int(np.prod(first.features[data_cfg.state_key]["shape"]))
+        self.action_dim = int(np.prod(first.features[data_cfg.action_key]["shape"]))
+        if self.state_dim > cfg.max_state_dim or self.action_dim > cfg.max_action_dim:
+            raise UserError(
+                f"{first.root}: state has {self.state_dim} and action {self.action_dim} dimensions; "
+                f"raise policy.max_state_dim ({cfg.max_state_dim}) / policy.max_action_dim ({cfg.max_action_dim})"
+            )
+        fps = {float(d.fps) for d in datasets}
+        if len(fps) > 1:
+            raise UserError(f"the datasets have different frame rates ({sorted(fps)}); mix datasets of one fps")
+        self.datasets = datasets
+        self.deltas = {data_cfg.action_key: [k / first.fps for k in range(cfg.chunk_size)]}
+        self.normalizers = [dataset_normalizer(d, dict(data_cfg.normalization)) for d in datasets]
+        self.mixture = DatasetMixture(datasets, weights, seed=data_cfg.seed)
+        self.augment = ImageAugmenter(ImageAugment(cameras=tuple(self.cameras))) if data_cfg.augment else None
+
+    def sample(self, position: int, train: bool = True) -> dict:
+        d, frame = self.mixture.index(position)
+        ds, key = self.datasets[d], self.data_cfg
+        item = ds.get(frame, [key.state_key, *self.cameras, "task"])
+        item.update(ds.window(frame, self.deltas))
+        norm = self.normalizers[d].normalize(
+            {key.state_key: np.asarray(item[key.state_key], np.float32), key.action_key: item[key.action_key]}
+        )
+        images = {c: torch.from_numpy(np.ascontiguousarray(item[c])).permute(2, 0, 1).float() / 255.0 for c in self.cameras}
+        if self.augment is not None and train:
+            images = self.augment(images, torch.Generator().manual_seed(zlib.crc32(f"{self.data_cfg.seed}:{position}".encode())))
+        size = self.cfg.vision.image_size
+        pixels = torch.stack([resize_with_pad(images[c] * 2 - 1, size, size) for c in self.cameras])
+        state = np.zeros(self.cfg.max_state_dim, np.float32)
+        state[: self.state_dim] = np.asarray(norm[key.state_key], np.float32).reshape(-1)
+        actions = np.zeros((self.cfg.chunk_size, self.cfg.max_action_dim), np.float32)
+        actions[:, : self.action_dim] = np.asarray(norm[key.action_key], np.float32).reshape(self.cfg.chunk_size, -1)
+        task = item.get("task") or ""
+        prompt = state_prompt(task, state) if self.cfg.variant == "pi05" else task.strip() + "\n"
+        ids = self.tok(prompt)["input_ids"][: key.max_prompt_tokens]
+        tokens = np.zeros(key.max_prompt_tokens, np.int64)
+        tokens[: len(ids)] = ids
+        return {
+            "images": pixels,
+            "tokens": torch.from_numpy(tokens),
+            "length": len(ids),
+            "state": torch.from_numpy(state),
+            "actions": torch.from_numpy(actions),
+        }
+
+    def batch(self, positions: list[int], device, train: bool = True) -> dict:
+        samples = [self.sample(p, train) for p in positions]
+        length = torch.tensor([s["length"] for s in samples])
+        return {
+            "images": torch.stack([s["images"] for s in samples]).to(device),
+            "image_masks": torch.ones(len(samples), len(self.cameras), dtype=torch.bool, device=device),
+            "tokens": torch.stack([s["tokens"] for s in samples]).to(device),
+            "token_masks": (torch.arange(self.data_cfg.max_prompt_tokens)[None, :] < length[:, None]).to(device),
+            "state": torch.stack([s["state"] for s in samples]).to(device),
+            "actions": torch.stack([s["actions"] for s in samples]).to(device),
+            # the flow-matching noise and times of this micro-batch: fixed by its first position, so
+            # a resumed run draws what the uninterrupted one would
+            "seed": zlib.crc32(f"noise:{positions[0]}".encode()),
+        }
+
+
+class PiTask(TrainingTask):
+    unit = "samples"
+
+    def __init__(self, cfg, samples: RobotSamples, dp_rank: int, dp_size: int, device, ops, load: Path | None = None):
+        self.cfg, self.samples, self.dp_rank, self.dp_size, self.device, self.ops = cfg, samples, dp_rank, dp_size, device, ops
+        self.load = load
+        self.units_per_step = cfg.train.global_batch_size
+
+    def build_model(self) -> torch.nn.Module:
+        return PiPolicy(self.cfg.policy, self.ops).to(self.device)
+
+    def batches(self, start_step: int):
+        t = self.cfg.train
+        step = start_step
+        while True:
+            mbs = rank_micro_batches(step, t.global_batch_size, t.micro_batch_size, self.dp_rank, self.dp_size)
+            yield [self.samples.batch(positions, self.device) for positions in mbs]
+            step += 1
+
+    def loss(self, model, mb):
+        obs = Observation(mb["images"], mb["image_masks"], mb["tokens"], mb["token_masks"], mb["state"])
+        g = torch.Generator(device=mb["actions"].device).manual_seed(mb["seed"])
+        per_element = model(obs, mb["actions"], generator=g)[:, :, : self.samples.action_dim]
+        return per_element.sum(), torch.tensor(float(per_element.numel()), device=per_element.device), {}
+
+    def initial_weights(self, model, optimizer, stack) -> int:
+        """A LeRobot pi0 / pi0.5 directory (`model.safetensors`) as the starting weights."""
+        if self.load is None:
+            return 0
+        from loongforge.embodied.policies.lerobot_format import from_lerobot
+        from safetensors.torch import load_file
+
+        stack.load_full_state_dict(model, from_lerobot(self.cfg.policy, load_file(str(self.load / "model.safetensors"))))
+        return 0

@@ -1,0 +1,75 @@
+"""`loongforge-embodied train`: the shipped demo trains (loss falls), resume gives the same
+losses as an uninterrupted run, 2 gloo processes equal one, and bad input is one line, exit 2."""
+
+import json
+
+import pytest
+from conftest import losses, run_cli
+
+MODULE = "loongforge.embodied.cli"
+SMALL = ["train.micro_batch_size=4", "train.global_batch_size=8", "train.log_interval=1"]
+
+
+def train(args, nproc: int = 1):
+    return run_cli(["train", "pi_tiny", *args], nproc=nproc, module=MODULE)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    d = tmp_path_factory.mktemp("straight")
+    r = train([*SMALL, "train.train_iters=4", f"checkpoint.run_dir={d}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def test_demo_trains_and_writes_its_run_dir(straight):
+    got = losses(straight)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert all(v == v and v > 0 for v in got.values())
+    assert (straight / "checkpoints" / "latest").read_text() == "step_00000004"
+    norm = json.loads((straight / "normalizer.json").read_text())
+    (stats,) = norm.values()
+    assert set(stats["features"]) == {"observation.state", "action"}
+    assert (straight / "data" / "demo" / "meta" / "info.json").is_file()
+
+
+def test_resume_gives_the_uninterrupted_losses(straight, tmp_path):
+    first = train([*SMALL, "train.train_iters=2", f"checkpoint.run_dir={tmp_path}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = train([*SMALL, "train.train_iters=4", f"checkpoint.run_dir={tmp_path}"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "at step 2" in second.stdout, second.stdout[-2000:]
+    want, got = losses(straight), losses(tmp_path)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert abs(got[step] - want[step]) <= 1e-6 * abs(want[step]), (step, got[step], want[step])
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_equal_one(straight, tmp_path):
+    for mode in ("ddp", "fsdp"):
+        d = tmp_path / mode
+        r = train([*SMALL, "train.train_iters=4", f"parallel.data_parallel_mode={mode}", f"checkpoint.run_dir={d}"], nproc=2)
+        assert r.returncode == 0, r.stderr[-3000:]
+        want, got = losses(straight), losses(d)
+        for step in want:
+            assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (mode, step, got[step], want[step])
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("parallel.stack=megatron", "embodied policies train on the torch stack"),
+        ("data.datasets=[{root: /nonexistent/robot}]", "/nonexistent/robot is not a LeRobot dataset"),
+        ("data.cameras=[observation.images.side]", "observation.images.side"),
+        ("policy.expert.num_layers=3", "must equal policy.backbone.num_layers"),
+        ("policy.max_action_dim=1", "raise policy.max_state_dim"),
+        ("data.normalization={action: MEDIAN}", "unknown normalization mode 'MEDIAN'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, override, message):
+    r = train([*SMALL, "train.train_iters=1", f"checkpoint.run_dir={tmp_path}", override])
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert message in last, last
+    assert "Traceback" not in r.stderr
