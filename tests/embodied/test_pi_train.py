@@ -73,3 +73,73 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, override, message):
     last = r.stderr.strip().splitlines()[-1]
     assert message in last, last
     assert "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trained")
+    r = train(["train.train_iters=60", f"checkpoint.run_dir={d}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def test_eval_reports_lower_action_error_after_training(straight, trained):
+    def mse(run):
+        r = run_cli(["eval", str(run), "--episodes", "6", "7", "--every", "4"], module=MODULE)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    early, late = mse(straight), mse(trained)
+    assert early["frames"] == late["frames"] == 20
+    assert late["action_mse_normalized"] < 0.8 * early["action_mse_normalized"], (early, late)
+    bad = run_cli(["eval", str(trained), "--episodes", "99"], module=MODULE)
+    assert bad.returncode == 2 and "--episodes: 99 is not an episode" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_server_speaks_openpi_protocol(trained):
+    import asyncio
+    import threading
+    import urllib.request
+
+    import numpy as np
+    from loongforge.core.parallel import free_port
+    from loongforge.embodied.data import LeRobotDataset
+    from loongforge.embodied.serving import PolicyRunner, packb, serve_async, unpackb
+    from websockets.sync.client import connect
+
+    runner = PolicyRunner.from_run_dir(trained)
+    ds = LeRobotDataset(trained / "data" / "demo")
+    item = ds.get(ds.episode(6).start + 3)
+    obs = {c: item[c] for c in runner.inputs.cameras}
+    obs.update({"observation.state": np.asarray(item["observation.state"], np.float32), "prompt": item["task"]})
+    want = runner.infer(obs)["actions"]
+
+    port, started, server = free_port(), threading.Event(), []
+    loop = asyncio.new_event_loop()
+
+    def ready(s):
+        server.append(s)
+        started.set()
+
+    def run():
+        try:
+            loop.run_until_complete(serve_async(runner, "127.0.0.1", port, ready=ready))
+        except asyncio.CancelledError:
+            pass  # closed by the test
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    assert urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz").read() == b"OK\n"
+    with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:
+        meta = unpackb(ws.recv())
+        assert meta["cameras"] == runner.inputs.cameras and meta["chunk_size"] == 8
+        ws.send(packb(obs))
+        out = unpackb(ws.recv())
+        assert out["actions"].shape == (8, 2) and np.array_equal(out["actions"], want)
+        assert out["server_timing"]["infer_ms"] > 0
+        ws.send(packb({"prompt": "no state"}))
+        assert "lacks 'observation.state'" in ws.recv()
+    loop.call_soon_threadsafe(server[0].close)
+    thread.join(30)
+    assert not thread.is_alive()

@@ -12,6 +12,8 @@ EXAMPLES = """examples:
   loongforge-embodied train pi_tiny policy.variant=pi0 'data.normalization={observation.state: MEAN_STD, action: MEAN_STD}'
   loongforge-embodied train run.yaml 'data.datasets=[{root: /data/aloha_sim_insertion_human}]' parallel.data_parallel_mode=fsdp
   torchrun --nproc-per-node 2 -m loongforge.embodied.cli train run.yaml
+  loongforge-embodied serve runs/tiny-pi --port 8000              # openpi websocket clients connect here
+  loongforge-embodied eval runs/tiny-pi --episodes 6 7            # action MSE of sampled chunks
 Errors you can fix print one line and exit 2; add --debug for the traceback."""
 
 
@@ -26,6 +28,28 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a YAML config", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="YAML file, or the name of a shipped config (pi_tiny)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4")
+    s = sub.add_parser(
+        "serve",
+        help="serve a trained policy over openpi's websocket protocol",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("run_dir", help="a run directory of `train` (its newest checkpoint is served)")
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--device", default="cpu", help="cpu or cuda")
+    s.add_argument("--seed", type=int, default=0, help="noise seed of every request (the same observation gives the same actions)")
+    e = sub.add_parser(
+        "eval",
+        help="action MSE of sampled chunks on held-out episodes",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    e.add_argument("run_dir")
+    e.add_argument("--dataset", default=None, help="LeRobot dataset directory (default: the run's first dataset)")
+    e.add_argument("--episodes", type=int, nargs="+", required=True, help="episode indices (in episode order) to evaluate")
+    e.add_argument("--every", type=int, default=1, help="evaluate every N-th frame")
+    e.add_argument("--device", default="cpu")
     return p
 
 
@@ -36,7 +60,30 @@ def main(argv: list[str]) -> int:
         from loongforge.core.recipes import train
 
         return train(args.config, args.overrides, prefer="embodied")
-    return 2
+    from loongforge.embodied.serving import PolicyRunner
+
+    if args.cmd == "serve":
+        from loongforge.embodied.serving import serve
+
+        serve(PolicyRunner.from_run_dir(args.run_dir, args.device, args.seed), args.host, args.port)
+        return 0
+    import json
+    from pathlib import Path
+
+    from loongforge.core.errors import UserError
+    from loongforge.embodied.data import LeRobotDataset
+    from loongforge.embodied.serving import evaluate
+
+    if args.every < 1:
+        raise UserError(f"--every={args.every} must be at least 1")
+    runner = PolicyRunner.from_run_dir(args.run_dir, args.device)
+    root = args.dataset or next(iter(json.loads((Path(args.run_dir) / "normalizer.json").read_text())))
+    ds = LeRobotDataset(root)
+    bad = [e for e in args.episodes if not 0 <= e < ds.num_episodes]
+    if bad:
+        raise UserError(f"--episodes: {bad[0]} is not an episode of {root} (it has {ds.num_episodes})")
+    print(json.dumps(evaluate(runner, ds, args.episodes, args.every)))
+    return 0
 
 
 if __name__ == "__main__":

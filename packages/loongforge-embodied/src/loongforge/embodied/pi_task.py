@@ -41,6 +41,53 @@ def dataset_normalizer(ds: LeRobotDataset, modes: dict[str, str]) -> Normalizer:
     return Normalizer(stats, modes)
 
 
+class PolicyInputs:
+    """One observation as the policy reads it (training and serving share this): each camera's
+    uint8 HWC image -> [-1, 1], resized with padding to the vision tower's size (optionally
+    augmented first); the normalized state zero-padded to max_state_dim; the prompt tokens."""
+
+    def __init__(self, cfg: PiConfig, cameras: list[str], tokenizer, max_prompt_tokens: int, augment: ImageAugmenter | None = None):
+        self.cfg, self.cameras, self.tok, self.max_prompt_tokens, self.augment = cfg, cameras, tokenizer, max_prompt_tokens, augment
+
+    def prepare(self, images: dict, state: np.ndarray, task: str, augment_seed: int | None = None) -> dict:
+        """`images` {camera: uint8 [h, w, 3]}, `state` normalized; `augment_seed` None: no augmentation."""
+        missing = [c for c in self.cameras if c not in images]
+        if missing:
+            raise UserError(f"observation lacks camera {missing[0]!r} (the policy reads {', '.join(self.cameras)})")
+        pixels = {c: torch.from_numpy(np.ascontiguousarray(images[c])).permute(2, 0, 1).float() / 255.0 for c in self.cameras}
+        if self.augment is not None and augment_seed is not None:
+            pixels = self.augment(pixels, torch.Generator().manual_seed(augment_seed))
+        size = self.cfg.vision.image_size
+        stacked = torch.stack([resize_with_pad(pixels[c] * 2 - 1, size, size) for c in self.cameras])
+        state = np.asarray(state, np.float32).reshape(-1)
+        if state.size > self.cfg.max_state_dim:
+            raise UserError(f"state has {state.size} dimensions, more than policy.max_state_dim={self.cfg.max_state_dim}")
+        padded = np.zeros(self.cfg.max_state_dim, np.float32)
+        padded[: state.size] = state
+        prompt = state_prompt(task, padded) if self.cfg.variant == "pi05" else task.strip() + "\n"
+        ids = self.tok(prompt)["input_ids"][: self.max_prompt_tokens]
+        tokens = np.zeros(self.max_prompt_tokens, np.int64)
+        tokens[: len(ids)] = ids
+        return {"images": stacked, "tokens": torch.from_numpy(tokens), "length": len(ids), "state": torch.from_numpy(padded)}
+
+    def collate(self, samples: list[dict], device) -> dict:
+        length = torch.tensor([s["length"] for s in samples])
+        out = {
+            "images": torch.stack([s["images"] for s in samples]).to(device),
+            "image_masks": torch.ones(len(samples), len(self.cameras), dtype=torch.bool, device=device),
+            "tokens": torch.stack([s["tokens"] for s in samples]).to(device),
+            "token_masks": (torch.arange(self.max_prompt_tokens)[None, :] < length[:, None]).to(device),
+            "state": torch.stack([s["state"] for s in samples]).to(device),
+        }
+        if "actions" in samples[0]:
+            out["actions"] = torch.stack([s["actions"] for s in samples]).to(device)
+        return out
+
+
+def observation(batch: dict) -> Observation:
+    return Observation(batch["images"], batch["image_masks"], batch["tokens"], batch["token_masks"], batch["state"])
+
+
 class RobotSamples:
     """Policy inputs from a mixture of LeRobot datasets, one frame (position) at a time."""
 
@@ -66,7 +113,8 @@ class RobotSamples:
         self.deltas = {data_cfg.action_key: [k / first.fps for k in range(cfg.chunk_size)]}
         self.normalizers = [dataset_normalizer(d, dict(data_cfg.normalization)) for d in datasets]
         self.mixture = DatasetMixture(datasets, weights, seed=data_cfg.seed)
-        self.augment = ImageAugmenter(ImageAugment(cameras=tuple(self.cameras))) if data_cfg.augment else None
+        augment = ImageAugmenter(ImageAugment(cameras=tuple(self.cameras))) if data_cfg.augment else None
+        self.inputs = PolicyInputs(cfg, self.cameras, tokenizer, data_cfg.max_prompt_tokens, augment)
 
     def sample(self, position: int, train: bool = True) -> dict:
         d, frame = self.mixture.index(position)
@@ -76,42 +124,19 @@ class RobotSamples:
         norm = self.normalizers[d].normalize(
             {key.state_key: np.asarray(item[key.state_key], np.float32), key.action_key: item[key.action_key]}
         )
-        images = {c: torch.from_numpy(np.ascontiguousarray(item[c])).permute(2, 0, 1).float() / 255.0 for c in self.cameras}
-        if self.augment is not None and train:
-            images = self.augment(images, torch.Generator().manual_seed(zlib.crc32(f"{self.data_cfg.seed}:{position}".encode())))
-        size = self.cfg.vision.image_size
-        pixels = torch.stack([resize_with_pad(images[c] * 2 - 1, size, size) for c in self.cameras])
-        state = np.zeros(self.cfg.max_state_dim, np.float32)
-        state[: self.state_dim] = np.asarray(norm[key.state_key], np.float32).reshape(-1)
+        seed = zlib.crc32(f"{key.seed}:{position}".encode()) if train else None
+        out = self.inputs.prepare({c: item[c] for c in self.cameras}, norm[key.state_key], item.get("task") or "", seed)
         actions = np.zeros((self.cfg.chunk_size, self.cfg.max_action_dim), np.float32)
         actions[:, : self.action_dim] = np.asarray(norm[key.action_key], np.float32).reshape(self.cfg.chunk_size, -1)
-        task = item.get("task") or ""
-        prompt = state_prompt(task, state) if self.cfg.variant == "pi05" else task.strip() + "\n"
-        ids = self.tok(prompt)["input_ids"][: key.max_prompt_tokens]
-        tokens = np.zeros(key.max_prompt_tokens, np.int64)
-        tokens[: len(ids)] = ids
-        return {
-            "images": pixels,
-            "tokens": torch.from_numpy(tokens),
-            "length": len(ids),
-            "state": torch.from_numpy(state),
-            "actions": torch.from_numpy(actions),
-        }
+        out["actions"] = torch.from_numpy(actions)
+        return out
 
     def batch(self, positions: list[int], device, train: bool = True) -> dict:
-        samples = [self.sample(p, train) for p in positions]
-        length = torch.tensor([s["length"] for s in samples])
-        return {
-            "images": torch.stack([s["images"] for s in samples]).to(device),
-            "image_masks": torch.ones(len(samples), len(self.cameras), dtype=torch.bool, device=device),
-            "tokens": torch.stack([s["tokens"] for s in samples]).to(device),
-            "token_masks": (torch.arange(self.data_cfg.max_prompt_tokens)[None, :] < length[:, None]).to(device),
-            "state": torch.stack([s["state"] for s in samples]).to(device),
-            "actions": torch.stack([s["actions"] for s in samples]).to(device),
-            # the flow-matching noise and times of this micro-batch: fixed by its first position, so
-            # a resumed run draws what the uninterrupted one would
-            "seed": zlib.crc32(f"noise:{positions[0]}".encode()),
-        }
+        out = self.inputs.collate([self.sample(p, train) for p in positions], device)
+        # the flow-matching noise and times of this micro-batch: fixed by its first position, so
+        # a resumed run draws what the uninterrupted one would
+        out["seed"] = zlib.crc32(f"noise:{positions[0]}".encode())
+        return out
 
 
 class PiTask(TrainingTask):
@@ -134,7 +159,7 @@ class PiTask(TrainingTask):
             step += 1
 
     def loss(self, model, mb):
-        obs = Observation(mb["images"], mb["image_masks"], mb["tokens"], mb["token_masks"], mb["state"])
+        obs = observation(mb)
         g = torch.Generator(device=mb["actions"].device).manual_seed(mb["seed"])
         per_element = model(obs, mb["actions"], generator=g)[:, :, : self.samples.action_dim]
         return per_element.sum(), torch.tensor(float(per_element.numel()), device=per_element.device), {}

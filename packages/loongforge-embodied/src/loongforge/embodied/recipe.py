@@ -9,9 +9,10 @@ from pathlib import Path
 
 from loongforge.core.accelerator import get_accelerator
 from loongforge.core.checkpoint.layout import write_durable
-from loongforge.core.data.text import load_tokenizer
+from loongforge.core.data.text import copy_tokenizer, load_tokenizer, resolve_tokenizer_path
 from loongforge.core.errors import UserError
 from loongforge.core.ops import OpTable
+from loongforge.core.outputs import replaced_dir
 from loongforge.core.parallel import on_rank0
 from loongforge.core.registry import registry
 from loongforge.core.stacks.build import build_stack
@@ -62,6 +63,10 @@ def run(cfg) -> dict:
         for d, root in zip(cfg.data.datasets, roots):
             if d.root == "demo":
                 write_demo_dataset(root, image_size=cfg.policy.vision.image_size)
+        # serving reads the tokenizer from the run; a resume keeps the run's own copy
+        if start.resume_from is None or not (run_dir / "tokenizer").is_dir():
+            with replaced_dir(run_dir / "tokenizer") as tmp:
+                copy_tokenizer(resolve_tokenizer_path(cfg.data.tokenizer), tmp)
 
     start_run_dir(cfg.checkpoint, start, identity, prepare)
     samples = RobotSamples([LeRobotDataset(r) for r in roots], [d.weight for d in cfg.data.datasets], cfg.policy, cfg.data, tok)
@@ -72,6 +77,8 @@ def run(cfg) -> dict:
         # what serving needs to map observations in and actions out, without the datasets
         stats = {str(r): n.state_dict() for r, n in zip(roots, samples.normalizers)}
         write_durable(run_dir / "normalizer.json", json.dumps(stats, indent=1))
+        io = {"cameras": samples.cameras, "state_dim": samples.state_dim, "action_dim": samples.action_dim}
+        write_durable(run_dir / "policy_io.json", json.dumps(io, indent=1))
 
     on_rank0(save_normalizers)
     load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
