@@ -65,6 +65,7 @@ def test_two_gloo_processes_equal_one(straight, tmp_path):
         ("policy.expert.num_layers=3", "must equal policy.backbone.num_layers"),
         ("policy.max_action_dim=1", "raise policy.max_state_dim"),
         ("data.normalization={action: MEDIAN}", "unknown normalization mode 'MEDIAN'"),
+        ("freeze=[vision,head]", "freeze: unknown part 'head'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, override, message):
@@ -143,3 +144,16 @@ def test_server_speaks_openpi_protocol(trained):
     loop.call_soon_threadsafe(server[0].close)
     thread.join(30)
     assert not thread.is_alive()
+
+
+def test_frozen_parts_keep_their_weights(tmp_path):
+    from loongforge.core.checkpoint.dcp_io import read_model_state
+
+    r = train(
+        [*SMALL, "train.train_iters=2", "train.save_interval=1", "freeze=[vision,projector,backbone]", f"checkpoint.run_dir={tmp_path}"]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = (read_model_state(tmp_path / "checkpoints" / f"step_0000000{i}") for i in (1, 2))
+    for name in one:
+        same = bool((one[name] == two[name]).all())
+        assert same == name.startswith(("vision.", "projector.", "backbone.")), name

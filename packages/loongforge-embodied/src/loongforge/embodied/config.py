@@ -42,3 +42,6 @@ class PiRunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ops: dict = field(default_factory=dict)  # op name -> implementation
+    # parts kept at their starting weights: vision, projector, backbone, expert (LeRobot's
+    # freeze_vision_encoder is [vision]; its train_expert_only is [vision, projector, backbone])
+    freeze: List[str] = field(default_factory=list)

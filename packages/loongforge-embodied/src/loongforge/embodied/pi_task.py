@@ -148,7 +148,10 @@ class PiTask(TrainingTask):
         self.units_per_step = cfg.train.global_batch_size
 
     def build_model(self) -> torch.nn.Module:
-        return PiPolicy(self.cfg.policy, self.ops).to(self.device)
+        model = PiPolicy(self.cfg.policy, self.ops)
+        for part in self.cfg.freeze:
+            getattr(model, part).requires_grad_(False)
+        return model.to(self.device)
 
     def batches(self, start_step: int):
         t = self.cfg.train

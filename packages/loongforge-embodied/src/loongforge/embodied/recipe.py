@@ -44,6 +44,12 @@ def validate(cfg) -> None:
     if load and not (Path(load) / "model.safetensors").is_file():
         raise UserError(f"checkpoint.load={load}: expected a LeRobot pi0 / pi0.5 directory with model.safetensors")
     cfg.policy.resolved().check()
+    parts = ("vision", "projector", "backbone", "expert")
+    unknown = [p for p in cfg.freeze if p not in parts]
+    if unknown:
+        raise UserError(f"freeze: unknown part {unknown[0]!r} (parts: {', '.join(parts)})")
+    if set(parts) <= set(cfg.freeze):
+        raise UserError("freeze names every part with a decoder; the action projections alone would train: drop one part from freeze")
 
 
 def run(cfg) -> dict:
