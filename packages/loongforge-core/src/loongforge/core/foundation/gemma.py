@@ -182,14 +182,20 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) 
     return x + y if gate is None else x + y * gate
 
 
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form [b, 1, s, t] of a bool mask [b, s, t] (True: may attend): build it once
+    per forward and hand it to every layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, MASK_VALUE).unsqueeze(1)
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SDPA over q [b, heads, s, d] and k/v [b, groups, t, d] (GQA when groups < heads); `mask`
-    bool [b, s, t] (True: may attend), None for causal (s == t)."""
+    bool [b, s, t] (True: may attend), or its `attention_bias`, or None for causal (s == t)."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, MASK_VALUE)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(1), enable_gqa=gqa)
+    bias = attention_bias(mask, q.dtype) if mask.dtype == torch.bool else mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
 
 
 class GemmaLayer(nn.Module):
@@ -260,6 +266,8 @@ class GemmaModel(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor | None = None, mask=None, cond=None) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(hidden.shape[1], device=hidden.device)
+        if mask is not None and mask.dtype == torch.bool:
+            mask = attention_bias(mask, hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, positions, self.inv_freq, mask, cond)
         return self.final_norm(hidden, cond)[0]

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from loongforge.core.errors import UserError
-from loongforge.core.foundation.gemma import GemmaConfig, GemmaModel, masked_attention
+from loongforge.core.foundation.gemma import GemmaConfig, GemmaModel, attention_bias, masked_attention
 from loongforge.core.foundation.siglip import SiglipVisionConfig, SiglipVisionTower
 from loongforge.core.ops import OpTable
 from torch import nn
@@ -174,6 +174,7 @@ class PiPolicy(nn.Module):
         policy reads, so they are not run."""
         n = prefix.shape[1]
         pos_p, pos_s = positions[:, :n], positions[:, n:]
+        mask = attention_bias(mask, prefix.dtype)
         layers = list(zip(self.backbone.layers, self.expert.layers))
         for idx, (lp, ls) in enumerate(layers):
             qp, kp, vp, gp = lp(prefix, pos_p, self.backbone.inv_freq, phase="inputs")
@@ -247,6 +248,7 @@ class PiPolicy(nn.Module):
         """Each layer's prefix keys and values, from the backbone alone (the prefix never sees
         the suffix, so these are the joint pass's own)."""
         cache, layers = [], self.backbone.layers
+        mask = attention_bias(mask, emb.dtype)
         for idx, layer in enumerate(layers):
             q, k, v, gate = layer(emb, positions, self.backbone.inv_freq, phase="inputs")
             cache.append((k, v))
@@ -262,6 +264,7 @@ class PiPolicy(nn.Module):
         mask = torch.cat([to_prefix, block_mask(s_pad, s_starts)], dim=2)
         positions = p_pad.sum(dim=1, keepdim=True) + torch.cumsum(s_pad.to(torch.int64), dim=1) - 1
         h = s_emb.to(cache[0][0].dtype)
+        mask = attention_bias(mask, h.dtype)
         for layer, (kp, vp) in zip(self.expert.layers, cache):
             q, k, v, gate = layer(h, positions, self.expert.inv_freq, cond=cond, phase="inputs")
             attn = masked_attention(q, torch.cat([kp, k], 2), torch.cat([vp, v], 2), mask)
