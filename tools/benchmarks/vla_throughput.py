@@ -4,7 +4,9 @@
 Shape of the paper's model: PaliGemma (SigLIP So400m/14 at 224, Gemma 2B) plus the 300M action
 expert, batch 32, 2 cameras, a 200-token prompt, action chunk 50 (32-wide), AdamW (betas 0.9 /
 0.95, weight decay 0.01) with gradient clipping at 1.0 on both sides, no activation recompute,
-no torch.compile unless `--compile`. Precision: LeRobot's `dtype="bfloat16"` on both sides:
+no torch.compile unless `--compile` (then both sides also run compiled, in torch.compile's
+default mode: LoongForge's loss and denoising step, LeRobot's forward and sample_actions as its
+`compile_model` option compiles them). Precision: LeRobot's `dtype="bfloat16"` on both sides:
 bf16 weights, with the patch and position embeddings, the Gemma norms (the adaptive norms'
 linears too), the action projections and the time MLP in fp32. LeRobot runs through the harness of
 tools/oracles/pi_vs_lerobot.py (the adaRMS patch of transformers 4.53.2 it needs; see there for
@@ -205,15 +207,26 @@ def main() -> int:
         loss_fn = lambda: lr.model.forward(imgs, masks, tokens, token_masks, actions)  # noqa: E731
         infer = lambda: lr.model.sample_actions(imgs1, masks1, one(tokens), one(token_masks))  # noqa: E731
         rows.append(measure("LeRobot 0.4.4", train_step_fn(loss_fn, lr.parameters(), action_dim), infer, b, args))
+        if args.compile:
+            # what LeRobot's compile_model does (its forward and sample_actions through torch.compile),
+            # in torch.compile's default mode as LoongForge's row uses
+            try:
+                lr.model.forward = torch.compile(lr.model.forward)
+                lr.model.sample_actions = torch.compile(lr.model.sample_actions)
+                step = train_step_fn(loss_fn, lr.parameters(), action_dim)
+                rows.append(measure("LeRobot 0.4.4 + compile", step, infer, b, args))
+            except Exception as e:
+                print(f"LeRobot compile failed: {type(e).__name__}: {e}", flush=True)
 
     print(f"\n{'':22s} {'step ms':>9s} {'samples/s':>10s} {'peak GiB':>9s} {'chunk ms':>9s}")
     for r in rows:
         print(f"{r['name']:22s} {r['step_ms']:9.1f} {r['samples_per_s']:10.2f} {r['peak_gib']:9.1f} {r['chunk_latency_ms']:9.1f}")
-    base = rows[-1] if not args.skip_lerobot else None
-    if base:
-        for r in rows[:-1]:
+    by_name = {r["name"]: r for r in rows}
+    for ours_name, theirs_name in (("LoongForge", "LeRobot 0.4.4"), ("LoongForge + compile", "LeRobot 0.4.4 + compile")):
+        r, base = by_name.get(ours_name), by_name.get(theirs_name)
+        if r and base:
             print(
-                f"{r['name']} / LeRobot: throughput {r['samples_per_s'] / base['samples_per_s']:.2f}x, "
+                f"{ours_name} / {theirs_name}: throughput {r['samples_per_s'] / base['samples_per_s']:.2f}x, "
                 f"memory {r['peak_gib'] / base['peak_gib']:.2f}x, chunk latency {base['chunk_latency_ms'] / r['chunk_latency_ms']:.2f}x faster"
             )
     return 0
