@@ -15,8 +15,12 @@ MIN_MAX, QUANTILES, QUANTILE10) from a dataset's stats, and saves as JSON for se
 `DatasetMixture` draws from several datasets by weight, as a stream that depends only on
 (seed, position), so a resumed run draws what the uninterrupted one would; `check_compatible`
 checks that they agree on the features a policy reads.
+
+`write_demo_dataset` writes a small, learnable LeRobot v3.0 dataset (a 2-D point robot moving to
+a red or a blue square, two cameras), atomically, for demos and tests.
 """
 
+from loongforge.embodied.data.demo_dataset import write_demo_dataset
 from loongforge.embodied.data.image_transforms import (
     ImageAugment,
     ImageAugmenter,
@@ -56,4 +60,5 @@ __all__ = [
     "resize_with_pad",
     "rgb_to_grayscale",
     "rotate",
+    "write_demo_dataset",
 ]
