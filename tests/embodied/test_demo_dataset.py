@@ -230,11 +230,15 @@ def test_deterministic_from_seed(tmp_path):
         np.testing.assert_array_equal(da[name], dc[name][: len(da[name])], err_msg="episode e depends on the episode count")
     files = sorted(str(f.relative_to(a)) for f in a.rglob("*") if f.is_file())
     assert files == sorted(str(f.relative_to(b)) for f in b.rglob("*") if f.is_file())
-    for name in files:  # byte for byte, the videos included
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    for name in files:  # byte for byte, all but the H.264 files (the encoder does not promise the same bytes)
+        if not name.endswith(".mp4"):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert not np.allclose(da["observation.state"], dd["observation.state"])
-    for key in (TOP, WRIST):
-        np.testing.assert_array_equal(LeRobotDataset(a)[13][key], LeRobotDataset(b)[13][key])
+    ds_a, ds_b = LeRobotDataset(a), LeRobotDataset(b)
+    for i in (0, 7, 13, 19):
+        for key in (TOP, WRIST):  # the same frames, to within the encoder's rounding
+            diff = np.abs(ds_a[i][key].astype(np.int16) - ds_b[i][key].astype(np.int16))
+            assert diff.mean() < 1.0 and diff.max() <= 64, (i, key, diff.mean(), diff.max())
 
 
 # ---- where it is written ------------------------------------------------------------------------

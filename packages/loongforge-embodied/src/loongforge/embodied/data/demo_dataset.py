@@ -349,7 +349,7 @@ def _open_video(path: Path, params: dict):
         raise UserError(f"this PyAV build has no {ENCODER} encoder (the demo dataset's videos are H.264)")
     path.parent.mkdir(parents=True, exist_ok=True)
     container = av.open(str(path), "w")
-    options = {"crf": "18", "preset": "veryfast", "g": str(params["fps"]), "threads": "1"}  # one thread: the same bytes every time
+    options = {"crf": "18", "preset": "veryfast", "g": str(params["fps"]), "threads": "1"}
     stream = container.add_stream(ENCODER, rate=params["fps"], options=options)
     stream.width = stream.height = params["image_size"]
     stream.pix_fmt = "yuv420p"
