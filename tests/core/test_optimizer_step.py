@@ -89,3 +89,26 @@ def test_non_finite_step_changes_nothing(bad):
     ps[0].grad = torch.ones_like(ps[0])
     assert float(clipped_step(opt, grad_sq_norm(ps, "cpu").sqrt(), 1.0, torch.tensor(2.0))) == 0.0
     assert not torch.equal(ps[0], before[0]) and float(opt.state[ps[0]]["step"]) == 2.0
+
+
+def test_ema_follows_the_updates_and_skips_with_them():
+    """`ema_decay`: the EMA starts at the parameter before the first update and after every update
+    moves `1 - decay` of the way to it; a skipped step (NaN gradient) leaves it as it was."""
+    decay = 0.8
+    ps = _params(torch.float32)
+    opt = TableAdamW(ps, lr=1e-1, weight_decay=0.1, ema_decay=decay)
+    want = [p.detach().clone() for p in ps[:3]]
+    for step in range(4):
+        for a, p in zip(_params(torch.float32, seed=step + 1), ps):
+            p.grad = None if a.grad is None else a.grad.clone()
+        if step == 2:
+            ps[1].grad[0] = float("nan")
+        skipped = float(clipped_step(opt, grad_sq_norm(ps, "cpu").sqrt(), 1.0, torch.tensor(1.0)))
+        assert skipped == float(step == 2)
+        if step != 2:
+            want = [decay * w + (1 - decay) * p.detach() for w, p in zip(want, ps)]
+        for w, p in zip(want, ps):
+            torch.testing.assert_close(opt.state[p]["ema"], w, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(opt.state[ps[0]]["ema"], ps[0])  # it lags the weights
+    assert ps[3] not in opt.state  # no gradient, no state
+    assert "ema" not in TableAdamW(_params(torch.float32), lr=1e-2).state_dict()["state"].get(0, {})

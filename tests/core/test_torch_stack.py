@@ -30,7 +30,7 @@ from loongforge.core.train.optimizer import TableAdamW
 CFG = ModelConfig(
     num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176, vocab_size=128, max_position_embeddings=64
 )
-ROWS, SEQ, STEPS, LR, CLIP = 4, 16, 4, 1e-2, 1.0
+ROWS, SEQ, STEPS, LR, CLIP, EMA = 4, 16, 4, 1e-2, 1.0, 0.5
 # (mode, data_parallel_replicas, micro-batches per rank) of the 2-process runs
 MODES = {"ddp": ("ddp", 1, 1), "zero1": ("zero1", 1, 2), "fsdp": ("fsdp", 1, 2), "hsdp_2x1": ("hsdp", 2, 1), "hsdp_1x2": ("hsdp", 1, 2)}
 
@@ -62,12 +62,14 @@ class Run:
     """A model, optimizer and stack, and the training step the trainer takes: gradients are
     the per-rank sums, divided by the global weight / dp size and clipped via `grad_scale`."""
 
-    def __init__(self, mode: str, replicas: int = 1, n_mb: int = 1, **stack_kw) -> None:
+    def __init__(self, mode: str, replicas: int = 1, n_mb: int = 1, ema: float = EMA, **stack_kw) -> None:
         self.stack = TorchNativeStack(
             ParallelConfig(stack="torch", data_parallel_mode=mode, data_parallel_replicas=replicas), torch.device("cpu"), **stack_kw
         )
         self.model = self.stack.prepare(make_model())
-        self.opt = self.stack.make_optimizer(self.model, lambda groups: TableAdamW(groups, lr=LR, weight_decay=0.1, betas=(0.9, 0.95)))
+        self.opt = self.stack.make_optimizer(
+            self.model, lambda groups: TableAdamW(groups, lr=LR, weight_decay=0.1, betas=(0.9, 0.95), ema_decay=ema)
+        )
         self.mbs = microbatches(self.stack.dp_rank, self.stack.dp_size, n_mb)
 
     def step(self) -> float:
@@ -108,9 +110,12 @@ def worker(out: Path) -> None:
             run.stack.save(out / f"{mode}2", run.model, run.opt)
             res[f"{mode}_full2"] = run.full()
         res[key] = losses + run.train(STEPS - 2)
+        if mode == "fsdp":
+            run.stack.save(out / f"{mode}{STEPS}", run.model, run.opt)
     resumed = Run("fsdp", 1, 2)
     resumed.stack.load(out / "fsdp2", resumed.model, resumed.opt, optimizer_steps=2)
     res["fsdp_resumed"] = resumed.train(STEPS - 2)
+    resumed.stack.save(out / f"fsdp_resumed{STEPS}", resumed.model, resumed.opt)
     from_one = Run("fsdp", 1, 1)
     from_one.stack.load(out / "single2", from_one.model, from_one.opt, optimizer_steps=2)
     res["from_single"] = from_one.train(STEPS - 2)
@@ -185,6 +190,30 @@ def test_two_process_checkpoint_loads_in_one(single, multi, mode, into):
     assert read.keys() == want.keys() and all(torch.equal(read[k], want[k]) for k in want)
     losses = run.train(STEPS - 2)
     assert close(losses[:1], multi[mode][2:3], 1e-6) and close(losses, multi[mode][2:], 1e-5), (losses, multi[mode])
+
+
+@pytest.mark.slow
+def test_ema_in_every_layout(single, multi):
+    """The weights' EMA (optimizer state, `ema_decay`) is the same from one process, FSDP2 and
+    ZeRO-1 on 2 processes, read from their checkpoints without a model; it continues exactly
+    through a resume; a checkpoint without one says so."""
+    d = single["dir"]
+    want = read_model_state(d / "single2", ema=True)
+    weights = read_model_state(d / "single2")
+    assert want.keys() == weights.keys() and not torch.allclose(want["hf.lm_head.weight"], weights["hf.lm_head.weight"])
+    for mode in ("fsdp", "zero1"):
+        got = read_model_state(d / f"{mode}2", ema=True)
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=f"{mode} {k}")  # as the weights agree
+    straight, resumed = read_model_state(d / f"fsdp{STEPS}", ema=True), read_model_state(d / f"fsdp_resumed{STEPS}", ema=True)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert not torch.equal(straight["hf.lm_head.weight"], want["hf.lm_head.weight"])
+    plain = Run("ddp", 1, 1, ema=0.0)
+    plain.train(1)
+    plain.stack.save(d / "no_ema", plain.model, plain.opt)
+    with pytest.raises(UserError, match="no EMA"):
+        read_model_state(d / "no_ema", ema=True)
 
 
 @pytest.mark.slow

@@ -66,6 +66,7 @@ def test_two_gloo_processes_equal_one(straight, tmp_path):
         ("policy.max_action_dim=1", "raise policy.max_state_dim"),
         ("data.normalization={action: MEDIAN}", "unknown normalization mode 'MEDIAN'"),
         ("freeze=[vision,head]", "freeze: unknown part 'head'"),
+        ("train.ema_decay=1.0", "train.ema_decay=1.0 must be in [0, 1)"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, override, message):
@@ -146,14 +147,90 @@ def test_server_speaks_openpi_protocol(trained):
     assert not thread.is_alive()
 
 
-def test_frozen_parts_keep_their_weights(tmp_path):
+def test_frozen_parts_keep_their_weights_and_the_ema_is_served(tmp_path):
+    """Frozen parts stay as they started; with `train.ema_decay` the checkpoints hold the EMA of
+    the trained parts (step 2's is decay * step 1's + (1 - decay) * step 2's weights), and
+    serving and eval read it."""
+    import torch
     from loongforge.core.checkpoint.dcp_io import read_model_state
+    from loongforge.embodied.serving import read_run
 
+    frozen = ("vision.", "projector.", "backbone.")
     r = train(
-        [*SMALL, "train.train_iters=2", "train.save_interval=1", "freeze=[vision,projector,backbone]", f"checkpoint.run_dir={tmp_path}"]
+        [
+            *SMALL,
+            "train.train_iters=2",
+            "train.save_interval=1",
+            "train.ema_decay=0.75",
+            "freeze=[vision,projector,backbone]",
+            f"checkpoint.run_dir={tmp_path}",
+        ]
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    one, two = (read_model_state(tmp_path / "checkpoints" / f"step_0000000{i}") for i in (1, 2))
+    steps = [tmp_path / "checkpoints" / f"step_0000000{i}" for i in (1, 2)]
+    one, two = (read_model_state(s) for s in steps)
     for name in one:
         same = bool((one[name] == two[name]).all())
-        assert same == name.startswith(("vision.", "projector.", "backbone.")), name
+        assert same == name.startswith(frozen), name
+    ema1, ema2 = (read_model_state(s, ema=True) for s in steps)
+    trained = [n for n in two if not n.startswith(frozen) and two[n].is_floating_point()]
+    for name in two:
+        if name.startswith(frozen):
+            assert torch.equal(ema2[name], two[name]), name
+    for name in trained:
+        torch.testing.assert_close(ema2[name], 0.75 * ema1[name] + 0.25 * two[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert any(not torch.allclose(ema2[n], two[n]) for n in trained)
+    _, served = read_run(tmp_path)
+    assert all(torch.equal(served[n], ema2[n]) for n in ema2)
+
+
+def test_convert_to_lerobot_and_back(trained, straight, tmp_path):
+    """`convert` writes the run's weights under LeRobot's names; `checkpoint.load` of that
+    directory starts a run from exactly those weights (lr 0 keeps them for the check); an
+    existing output and an EMA the run lacks are one-line errors that touch nothing."""
+    import torch
+    from loongforge.core.checkpoint.dcp_io import read_model_state
+    from safetensors.torch import load_file
+
+    out = tmp_path / "lerobot"
+    r = run_cli(["convert", str(trained), str(out)], module=MODULE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "no config.json" in r.stdout and sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    names = load_file(str(out / "model.safetensors"))
+    assert "model.paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight" in names
+    assert "model.action_out_proj.weight" in names
+    again = tmp_path / "again"
+    r = train(["train.train_iters=1", "train.lr=0", "train.min_lr=0", "train.weight_decay=0", f"checkpoint.load={out}", f"checkpoint.run_dir={again}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = read_model_state(next((trained / "checkpoints").glob("step_*")))
+    got = read_model_state(next((again / "checkpoints").glob("step_*")))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert losses(again)[1] < 0.8 * losses(straight)[1]  # it starts where the trained run ended
+    before = (out / "model.safetensors").read_bytes()
+    for args, message in (
+        ([str(trained), str(out)], "output directory exists and is not empty"),
+        ([str(trained), str(tmp_path / "x"), "--weights", "ema"], "kept no EMA"),
+    ):
+        r = run_cli(["convert", *args], module=MODULE)
+        assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+    assert (out / "model.safetensors").read_bytes() == before and not (tmp_path / "x").exists()
+
+
+def test_lerobot_config_names_the_published_shapes():
+    """The shipped pi05 / pi0 configs have LeRobot's published shapes, which its config.json names;
+    other shapes have none."""
+    from loongforge.core.config import load_config
+    from loongforge.embodied.config import CONFIG_DIR, PiRunConfig
+    from loongforge.embodied.policies.lerobot_format import lerobot_config
+
+    for name, variant, state_mode in (("pi05", "pi05", "QUANTILES"), ("pi0", "pi0", "MEAN_STD")):
+        cfg = load_config(PiRunConfig, CONFIG_DIR / f"{name}.yaml")
+        policy = cfg.policy.resolved()
+        modes = {"state": cfg.data.normalization["observation.state"], "action": cfg.data.normalization["action"]}
+        got = lerobot_config(policy, ["observation.images.base_0_rgb"], 8, 7, modes, cfg.data.max_prompt_tokens)
+        assert got["type"] == variant and got["paligemma_variant"] == "gemma_2b" and got["action_expert_variant"] == "gemma_300m"
+        assert got["normalization_mapping"]["STATE"] == state_mode and got["image_resolution"] == [224, 224]
+        assert got["input_features"]["observation.state"] == {"type": "STATE", "shape": [8]}
+        assert got["output_features"] == {"action": {"type": "ACTION", "shape": [7]}}
+    tiny = load_config(PiRunConfig, CONFIG_DIR / "pi_tiny.yaml")
+    assert lerobot_config(tiny.policy.resolved(), [], 8, 4, modes, 48) is None

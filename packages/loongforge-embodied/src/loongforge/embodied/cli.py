@@ -14,6 +14,8 @@ EXAMPLES = """examples:
   torchrun --nproc-per-node 2 -m loongforge.embodied.cli train run.yaml
   loongforge-embodied serve runs/tiny-pi --port 8000              # openpi websocket clients connect here
   loongforge-embodied eval runs/tiny-pi --episodes 6 7            # action MSE of sampled chunks
+  loongforge-embodied convert runs/tiny-pi export/tiny-pi          # LeRobot's model.safetensors (+ config.json)
+  loongforge-embodied train run.yaml checkpoint.load=/models/pi05_base    # LeRobot weights in
 Errors you can fix print one line and exit 2; add --debug for the traceback."""
 
 
@@ -26,7 +28,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train from a YAML config", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("config", help="YAML file, or the name of a shipped config (pi_tiny)")
+    t.add_argument("config", help="YAML file, or the name of a shipped config (pi_tiny, pi05, pi0)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4")
     s = sub.add_parser(
         "serve",
@@ -50,6 +52,22 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--episodes", type=int, nargs="+", required=True, help="episode indices (in episode order) to evaluate")
     e.add_argument("--every", type=int, default=1, help="evaluate every N-th frame")
     e.add_argument("--device", default="cpu")
+    c = sub.add_parser(
+        "convert",
+        help="a trained run's policy as a LeRobot pi0 / pi0.5 directory",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument("run_dir", help="a run directory of `train` (its newest checkpoint is converted)")
+    c.add_argument("out", help="a new (or empty) directory")
+    c.add_argument(
+        "--weights",
+        choices=["auto", "ema", "trained"],
+        default="auto",
+        help="auto: the EMA where the run kept one (train.ema_decay), else the trained weights",
+    )
+    for sp in (s, e):
+        sp.add_argument("--weights", choices=["auto", "ema", "trained"], default="auto", help="auto: the EMA where the run kept one")
     return p
 
 
@@ -60,12 +78,23 @@ def main(argv: list[str]) -> int:
         from loongforge.core.recipes import train
 
         return train(args.config, args.overrides, prefer="embodied")
+    ema = {"auto": None, "ema": True, "trained": False}[args.weights]
+    if args.cmd == "convert":
+        from pathlib import Path
+
+        from loongforge.embodied.convert import export_lerobot
+
+        out, with_config = export_lerobot(Path(args.run_dir), Path(args.out), ema)
+        print(f"wrote {out / 'model.safetensors'}")
+        if not with_config:
+            print("no config.json: LeRobot's pi0 / pi0.5 configs name only the published shapes (gemma_2b / gemma_300m, SigLIP so400m/14)")
+        return 0
     from loongforge.embodied.serving import PolicyRunner
 
     if args.cmd == "serve":
         from loongforge.embodied.serving import serve
 
-        serve(PolicyRunner.from_run_dir(args.run_dir, args.device, args.seed), args.host, args.port)
+        serve(PolicyRunner.from_run_dir(args.run_dir, args.device, args.seed, ema), args.host, args.port)
         return 0
     import json
     from pathlib import Path
@@ -76,7 +105,7 @@ def main(argv: list[str]) -> int:
 
     if args.every < 1:
         raise UserError(f"--every={args.every} must be at least 1")
-    runner = PolicyRunner.from_run_dir(args.run_dir, args.device)
+    runner = PolicyRunner.from_run_dir(args.run_dir, args.device, ema=ema)
     root = args.dataset or next(iter(json.loads((Path(args.run_dir) / "normalizer.json").read_text())))
     ds = LeRobotDataset(root)
     bad = [e for e in args.episodes if not 0 <= e < ds.num_episodes]

@@ -52,8 +52,10 @@ packb = functools.partial(msgpack.packb, default=pack_array)
 unpackb = functools.partial(msgpack.unpackb, object_hook=unpack_array)
 
 
-def read_run(run_dir: Path):
-    """(the run config, the newest checkpoint's model state) of a finished or running run."""
+def read_run(run_dir: Path, ema: bool | None = None):
+    """(the run config, the newest checkpoint's model state) of a finished or running run. `ema`:
+    the EMA of the weights (`train.ema_decay`) or the trained weights; None: the EMA where the run
+    kept one, as openpi serves."""
     from loongforge.core.checkpoint import find_checkpoint, read_manifest, verify_files
     from loongforge.core.checkpoint.dcp_io import read_model_state
     from loongforge.embodied.config import PiRunConfig
@@ -67,7 +69,9 @@ def read_run(run_dir: Path):
     if manifest["config"].get("recipe") != "embodied.pi":
         raise UserError(f"{run_dir}: a {manifest['config'].get('recipe')} run, not a pi0 / pi0.5 policy (embodied.pi)")
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PiRunConfig), manifest["config"]))
-    return cfg, read_model_state(step)
+    if ema and not cfg.train.ema_decay > 0:
+        raise UserError(f"{run_dir}: the run kept no EMA of its weights (train.ema_decay=0); use the trained weights")
+    return cfg, read_model_state(step, ema=cfg.train.ema_decay > 0 if ema is None else ema)
 
 
 class PolicyRunner:
@@ -88,11 +92,11 @@ class PolicyRunner:
         self.state_key, self.action_key, self.action_dim, self.device, self.seed = state_key, action_key, action_dim, device, seed
 
     @classmethod
-    def from_run_dir(cls, run_dir, device: str = "cpu", seed: int = 0) -> "PolicyRunner":
+    def from_run_dir(cls, run_dir, device: str = "cpu", seed: int = 0, ema: bool | None = None) -> "PolicyRunner":
         from loongforge.core.data.text import load_tokenizer
 
         run_dir = Path(run_dir)
-        cfg, state = read_run(run_dir)
+        cfg, state = read_run(run_dir, ema)
         policy = PiPolicy(cfg.policy)
         policy.load_state_dict(state, strict=True)
         stats = json.loads((run_dir / "normalizer.json").read_text())

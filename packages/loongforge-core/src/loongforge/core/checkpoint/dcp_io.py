@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from loongforge.core.checkpoint.megatron_io import Select
+from loongforge.core.errors import UserError
 
 _OPTIONS = dict(flatten_optimizer_state_dict=True)
 
@@ -37,13 +38,12 @@ def _param_name(key: str, names: set[str]) -> str | None:
 def init_optimizer_state(optimizer) -> None:
     """Give every parameter AdamW state (`step` on the parameter's device, as TableAdamW keeps
     it), so a save writes every name and a load has tensors to fill."""
+    from loongforge.core.train.optimizer import init_adamw_state
+
     for group in optimizer.param_groups:
         for p in group["params"]:
-            st = optimizer.state[p]
-            if not st:
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not optimizer.state[p]:
+                init_adamw_state(optimizer.state[p], p, getattr(optimizer, "ema_decay", 0.0))
 
 
 def _state_dicts(model, optimizer, select: Select) -> tuple[dict, dict, dict]:
@@ -108,10 +108,12 @@ def load_dcp(directory: Path, model, optimizer=None, optimizer_steps: int = 0, s
         set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(**_OPTIONS))
 
 
-def read_model_state(directory: Path) -> dict[str, torch.Tensor]:
+def read_model_state(directory: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     """The whole model state of a `save_dcp` checkpoint as plain CPU tensors, keyed like
     `model.state_dict()`, read by this process alone (no model, no process group needed;
-    collective-free even where one exists): for an HF export from any layout."""
+    collective-free even where one exists): for an HF export from any layout. `ema`: each
+    parameter the optimizer kept an EMA of (`train.ema_decay`) comes as that EMA, in the model's
+    dtype; an error if the checkpoint holds none."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -122,7 +124,18 @@ def read_model_state(directory: Path) -> dict[str, torch.Tensor]:
         for k, m in meta.items()
         if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
     }
+    emas = {}
+    if ema:
+        emas = {
+            name: torch.empty(meta[key].size, dtype=meta[key].properties.dtype)
+            for name in model
+            if (key := f"optimizer.state.{name}.ema") in meta and isinstance(meta[key], TensorStorageMetadata)
+        }
+        if not emas:
+            raise UserError(f"{directory}: the checkpoint holds no EMA weights (it was trained with train.ema_decay=0)")
     with warnings.catch_warnings():  # DCP notes that it loads in one process, which is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model}, checkpoint_id=str(directory), no_dist=True)
+        dcp.load({"model": model, "optimizer": {f"state.{n}.ema": t for n, t in emas.items()}}, checkpoint_id=str(directory), no_dist=True)
+    for name, t in emas.items():
+        model[name] = t.to(model[name].dtype)
     return model

@@ -39,13 +39,12 @@ def _optimizer_sharded(model, optimizer, select: Select):
 
 def init_optimizer_state(optimizer) -> None:
     """Give every parameter its Adam state tensors, so a load has tensors to fill."""
+    from loongforge.core.train.optimizer import init_adamw_state
+
     for group in optimizer.param_groups:
         for p in group["params"]:
-            st = optimizer.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not optimizer.state[p]:
+                init_adamw_state(optimizer.state[p], p, getattr(optimizer, "ema_decay", 0.0), step=torch.tensor(0.0))
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -50,6 +50,7 @@ class TrainConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0
+    ema_decay: float = 0.0  # > 0: also keep an exponential moving average of the weights (openpi trains pi0 with 0.99)
     seed: int = 1234
     recompute: bool = False  # full activation recompute, one layer at a time
     params_dtype: str = "auto"  # auto (bf16 on GPUs, fp32 on CPUs) | float32 | bfloat16
@@ -76,6 +77,8 @@ class TrainConfig:
             )
         _at_least(prefix, self, "lr", 0)
         _at_least(prefix, self, "clip_grad", 0, " (0: no clipping)")
+        if not 0 <= self.ema_decay < 1:
+            raise UserError(f"{prefix}ema_decay={self.ema_decay} must be in [0, 1) (0: no EMA; 0.99 or 0.999 are usual)")
 
 
 @dataclass

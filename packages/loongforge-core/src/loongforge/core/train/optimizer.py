@@ -4,7 +4,13 @@ a faster one where a plugin registers it). Parameter groups, hyper-parameters, t
 exactly torch.optim.AdamW's with fused=True; clipping arrives as its `grad_scale` and the
 NaN/Inf guard's verdict as its `found_inf` (attributes, as torch's GradScaler sets them on fused
 optimizers): a skipped step is decided on the device and leaves parameters, moments and step
-counts as they were, so the host need not wait for it before queueing the update."""
+counts as they were, so the host need not wait for it before queueing the update.
+
+With `ema_decay` > 0 each parameter's state also holds `ema`, an exponential moving average of the
+parameter after every update (`ema = decay * ema + (1 - decay) * param`, starting from the
+parameter before the first update, as openpi keeps it), in the parameter's dtype (the fp32
+masters under bf16 mixed precision); a skipped step leaves it as it was too. As optimizer state it
+is saved, resharded and resumed with the moments."""
 
 from __future__ import annotations
 
@@ -15,9 +21,10 @@ from loongforge.core.ops import reference
 
 
 class TableAdamW(torch.optim.AdamW):
-    def __init__(self, params, update: Callable = reference.adamw, **kwargs) -> None:
+    def __init__(self, params, update: Callable = reference.adamw, ema_decay: float = 0.0, **kwargs) -> None:
         super().__init__(params, fused=True, **kwargs)
         self.update = update
+        self.ema_decay = ema_decay
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -33,17 +40,17 @@ class TableAdamW(torch.optim.AdamW):
                     continue
                 st = self.state[p]
                 if not st:
-                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                ps, gs, ms, vs, steps = lists.setdefault((p.dtype, p.grad.dtype, p.device), ([], [], [], [], []))
+                    init_adamw_state(st, p, self.ema_decay)
+                ps, gs, ms, vs, steps, emas = lists.setdefault((p.dtype, p.grad.dtype, p.device), ([], [], [], [], [], []))
                 ps.append(_local(p))
                 gs.append(_local(p.grad))
                 ms.append(_local(st["exp_avg"]))
                 vs.append(_local(st["exp_avg_sq"]))
                 steps.append(st["step"])
+                if self.ema_decay:
+                    emas.append(_local(st["ema"]))
             beta1, beta2 = group["betas"]
-            for ps, gs, ms, vs, steps in lists.values():
+            for ps, gs, ms, vs, steps, emas in lists.values():
                 torch._foreach_add_(steps, increment if found_inf is None else [increment] * len(steps))
                 self.update(
                     ps,
@@ -59,7 +66,20 @@ class TableAdamW(torch.optim.AdamW):
                     grad_scale=scale,
                     found_inf=found_inf,
                 )
+                if emas:
+                    weight = 1 - self.ema_decay if found_inf is None else (1 - found_inf) * (1 - self.ema_decay)
+                    torch._foreach_lerp_(emas, ps, weight)
         return None
+
+
+def init_adamw_state(st: dict, p: torch.Tensor, ema_decay: float, step=None) -> None:
+    """A parameter's fresh state: step 0 (on the parameter's device unless `step` is given), zero
+    moments, and with `ema_decay` > 0 the EMA starting at the parameter."""
+    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if step is None else step
+    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if ema_decay:
+        st["ema"] = p.detach().clone(memory_format=torch.preserve_format)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

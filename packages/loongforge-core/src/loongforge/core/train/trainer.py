@@ -80,7 +80,13 @@ class Trainer:
     def _build_optimizer(self, groups):
         c = self.cfg
         return TableAdamW(
-            groups, update=self.ops.adamw, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay
+            groups,
+            update=self.ops.adamw,
+            lr=c.lr,
+            betas=(c.adam_beta1, c.adam_beta2),
+            eps=c.adam_eps,
+            weight_decay=c.weight_decay,
+            ema_decay=c.ema_decay,
         )
 
     def setup(self, resume_from: Path | None = None, verified: bool = False) -> None:
