@@ -200,7 +200,16 @@ def test_convert_to_lerobot_and_back(trained, straight, tmp_path):
     assert "model.paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight" in names
     assert "model.action_out_proj.weight" in names
     again = tmp_path / "again"
-    r = train(["train.train_iters=1", "train.lr=0", "train.min_lr=0", "train.weight_decay=0", f"checkpoint.load={out}", f"checkpoint.run_dir={again}"])
+    r = train(
+        [
+            "train.train_iters=1",
+            "train.lr=0",
+            "train.min_lr=0",
+            "train.weight_decay=0",
+            f"checkpoint.load={out}",
+            f"checkpoint.run_dir={again}",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     want = read_model_state(next((trained / "checkpoints").glob("step_*")))
     got = read_model_state(next((again / "checkpoints").glob("step_*")))
