@@ -47,13 +47,21 @@ def test_resume_gives_the_uninterrupted_losses(straight, tmp_path):
 
 @pytest.mark.slow
 def test_two_gloo_processes_equal_one(straight, tmp_path):
-    for mode in ("ddp", "fsdp"):
-        d = tmp_path / mode
-        r = train([*SMALL, "train.train_iters=4", f"parallel.data_parallel_mode={mode}", f"checkpoint.run_dir={d}"], nproc=2)
+    """DDP, ZeRO-1 and FSDP2 on 2 gloo processes give the one-process losses; so does FSDP2 with
+    LoRA adapters (frozen and trainable weights in one sharded layer)."""
+    lora = ["lora.rank=4", "train.ema_decay=0.9"]
+    one_lora = tmp_path / "one_lora"
+    r = train([*SMALL, "train.train_iters=4", *lora, f"checkpoint.run_dir={one_lora}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    for mode, extra, ref in (("ddp", [], straight), ("zero1", [], straight), ("fsdp", [], straight), ("fsdp", lora, one_lora)):
+        d = tmp_path / f"{mode}{len(extra)}"
+        r = train([*SMALL, "train.train_iters=4", f"parallel.data_parallel_mode={mode}", *extra, f"checkpoint.run_dir={d}"], nproc=2)
         assert r.returncode == 0, r.stderr[-3000:]
-        want, got = losses(straight), losses(d)
+        want, got = losses(ref), losses(d)
+        assert sorted(got) == sorted(want) == [1, 2, 3, 4]
         for step in want:
-            assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (mode, step, got[step], want[step])
+            assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (mode, extra, step, got[step], want[step])
+    assert losses(one_lora) != losses(straight)
 
 
 @pytest.mark.parametrize(
@@ -243,3 +251,40 @@ def test_lerobot_config_names_the_published_shapes():
         assert got["output_features"] == {"action": {"type": "ACTION", "shape": [7]}}
     tiny = load_config(PiRunConfig, CONFIG_DIR / "pi_tiny.yaml")
     assert lerobot_config(tiny.policy.resolved(), [], 8, 4, modes, 48) is None
+
+
+def test_lora_on_the_backbone_from_lerobot_weights(straight, tmp_path):
+    """lora.rank > 0: adapters on the backbone's layer linears start from the loaded LeRobot
+    weights; the backbone's own weights stay as loaded while the adapters and the other parts
+    train; serving and convert see the adapters merged in."""
+    import torch
+    from loongforge.core.checkpoint.dcp_io import read_model_state
+    from loongforge.core.foundation.lora import merge_adapters
+    from loongforge.embodied.serving import read_run
+
+    lerobot = tmp_path / "lerobot"
+    assert run_cli(["convert", str(straight), str(lerobot)], module=MODULE).returncode == 0
+    run = tmp_path / "lora"
+    r = train(
+        [*SMALL, "train.train_iters=2", "train.save_interval=1", "lora.rank=4", f"checkpoint.load={lerobot}", f"checkpoint.run_dir={run}"]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    start = read_model_state(next((straight / "checkpoints").glob("step_*")))
+    one, two = (read_model_state(run / "checkpoints" / f"step_0000000{i}") for i in (1, 2))
+    adapters = sorted(k for k in two if k.endswith((".lora_a", ".lora_b")))
+    assert len(adapters) == 2 * 4 * 2 and all(k.startswith("backbone.layers.") for k in adapters)  # 4 linears x 2 layers
+    for k, v in start.items():
+        if k.startswith("backbone."):
+            assert torch.equal(two[k], v), k  # loaded, then frozen
+    assert not torch.equal(one["backbone.layers.0.linear_qkv.lora_b"], two["backbone.layers.0.linear_qkv.lora_b"])
+    assert not torch.equal(two["expert.layers.0.linear_qkv.weight"], start["expert.layers.0.linear_qkv.weight"])
+    _, served = read_run(run)
+    assert served.keys() == start.keys()
+    want = merge_adapters(two, 16.0 / 4)
+    assert all(torch.equal(served[k], want[k]) for k in served)
+    assert not torch.equal(served["backbone.layers.0.linear_qkv.weight"], start["backbone.layers.0.linear_qkv.weight"])
+    r = train(
+        [*SMALL, "train.train_iters=1", "lora.rank=4", "lora.target_modules=[vision.nothing*]", f"checkpoint.run_dir={tmp_path / 'bad'}"]
+    )
+    assert r.returncode == 2 and "matched no linear" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+    assert not (tmp_path / "bad").exists()

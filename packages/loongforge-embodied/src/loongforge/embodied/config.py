@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
+from loongforge.core.foundation.lora import LoRAConfig
 from loongforge.embodied.policies.pi0 import PiConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -45,3 +46,7 @@ class PiRunConfig:
     # parts kept at their starting weights: vision, projector, backbone, expert (LeRobot's
     # freeze_vision_encoder is [vision]; its train_expert_only is [vision, projector, backbone])
     freeze: List[str] = field(default_factory=list)
+    # lora.rank > 0: adapters on the targeted linears (globs over the policy's module names; the
+    # default, every linear of the backbone's layers, is openpi's gemma_2b_lora); every other
+    # weight of a part that holds adapters is frozen, as openpi's LoRA configs freeze it
+    lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(rank=0, alpha=16.0, target_modules=["backbone.layers.*"]))

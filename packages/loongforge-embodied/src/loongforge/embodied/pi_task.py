@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from loongforge.core.data import rank_micro_batches
 from loongforge.core.errors import UserError
+from loongforge.core.foundation.lora import add_adapters, is_adapter_key
 from loongforge.core.train.task import TrainingTask
 from loongforge.embodied.data import DatasetMixture, LeRobotDataset, check_compatible
 from loongforge.embodied.data.image_transforms import ImageAugment, ImageAugmenter, resize_with_pad
@@ -139,6 +140,19 @@ class RobotSamples:
         return out
 
 
+def build_policy(cfg, ops=None) -> PiPolicy:
+    """The run's policy: LoRA adapters where `cfg.lora` targets, every other weight of a part
+    holding adapters frozen, and the `cfg.freeze` parts frozen whole."""
+    model = PiPolicy(cfg.policy, ops)
+    frozen = set(cfg.freeze)
+    if cfg.lora.enabled:
+        frozen |= {name.split(".", 1)[0] for name in add_adapters(model, cfg.lora)}
+    for name, p in model.named_parameters():
+        if name.split(".", 1)[0] in frozen and not is_adapter_key(name):
+            p.requires_grad_(False)
+    return model
+
+
 class PiTask(TrainingTask):
     unit = "samples"
 
@@ -148,9 +162,9 @@ class PiTask(TrainingTask):
         self.units_per_step = cfg.train.global_batch_size
 
     def build_model(self) -> torch.nn.Module:
-        model = PiPolicy(self.cfg.policy, self.ops)
-        for part in self.cfg.freeze:
-            getattr(model, part).requires_grad_(False)
+        model = build_policy(self.cfg, self.ops)
+        # the adapters' starting values, whole: `initial_weights` adds them to the loaded weights
+        self.adapters = {k: v.detach().clone() for k, v in model.state_dict().items() if is_adapter_key(k)}
         return model.to(self.device)
 
     def batches(self, start_step: int):
@@ -174,5 +188,6 @@ class PiTask(TrainingTask):
         from loongforge.embodied.policies.lerobot_format import from_lerobot
         from safetensors.torch import load_file
 
-        stack.load_full_state_dict(model, from_lerobot(self.cfg.policy, load_file(str(self.load / "model.safetensors"))))
+        state = from_lerobot(self.cfg.policy, load_file(str(self.load / "model.safetensors")))
+        stack.load_full_state_dict(model, {**state, **self.adapters})
         return 0

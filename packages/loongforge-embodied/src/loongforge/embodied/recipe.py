@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
 from loongforge.core.accelerator import get_accelerator
 from loongforge.core.checkpoint.layout import write_durable
 from loongforge.core.data.text import copy_tokenizer, load_tokenizer, resolve_tokenizer_path
@@ -48,6 +49,13 @@ def validate(cfg) -> None:
     unknown = [p for p in cfg.freeze if p not in parts]
     if unknown:
         raise UserError(f"freeze: unknown part {unknown[0]!r} (parts: {', '.join(parts)})")
+    cfg.lora.validate()
+    if cfg.lora.enabled:  # a target that matches nothing is refused before anything is written
+        from loongforge.core.foundation.lora import add_adapters
+        from loongforge.embodied.policies import PiPolicy
+
+        with torch.device("meta"):
+            add_adapters(PiPolicy(cfg.policy.resolved()), cfg.lora)
     if set(parts) <= set(cfg.freeze):
         raise UserError("freeze names every part with a decoder; the action projections alone would train: drop one part from freeze")
 
@@ -60,7 +68,7 @@ def run(cfg) -> dict:
     stack, _ = build_stack(cfg.parallel, cfg.train, acc, params_dtype)
     ops = OpTable.build(cfg.ops, registry(), acc.device_type)
     run_dir = Path(cfg.checkpoint.run_dir)
-    identity = run_identity(cfg.train, policy=cfg.policy, data=cfg.data, load=cfg.checkpoint.load)
+    identity = run_identity(cfg.train, policy=cfg.policy, data=cfg.data, load=cfg.checkpoint.load, freeze=cfg.freeze, lora=cfg.lora)
     start = prepare_run_dir(cfg.checkpoint, identity)
     roots = dataset_roots(cfg, run_dir)
     tok = load_tokenizer(cfg.data.tokenizer)

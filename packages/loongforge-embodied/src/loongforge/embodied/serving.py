@@ -53,11 +53,13 @@ unpackb = functools.partial(msgpack.unpackb, object_hook=unpack_array)
 
 
 def read_run(run_dir: Path, ema: bool | None = None):
-    """(the run config, the newest checkpoint's model state) of a finished or running run. `ema`:
+    """(the run config, the newest checkpoint's model state, LoRA adapters merged into their
+    weights) of a finished or running run. `ema`:
     the EMA of the weights (`train.ema_decay`) or the trained weights; None: the EMA where the run
     kept one, as openpi serves."""
     from loongforge.core.checkpoint import find_checkpoint, read_manifest, verify_files
     from loongforge.core.checkpoint.dcp_io import read_model_state
+    from loongforge.core.foundation.lora import merge_adapters
     from loongforge.embodied.config import PiRunConfig
     from omegaconf import OmegaConf
 
@@ -71,7 +73,8 @@ def read_run(run_dir: Path, ema: bool | None = None):
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PiRunConfig), manifest["config"]))
     if ema and not cfg.train.ema_decay > 0:
         raise UserError(f"{run_dir}: the run kept no EMA of its weights (train.ema_decay=0); use the trained weights")
-    return cfg, read_model_state(step, ema=cfg.train.ema_decay > 0 if ema is None else ema)
+    state = read_model_state(step, ema=cfg.train.ema_decay > 0 if ema is None else ema)
+    return cfg, merge_adapters(state, cfg.lora.scale) if cfg.lora.enabled else state
 
 
 class PolicyRunner:

@@ -1,4 +1,5 @@
-"""LoRA adapters on megatron-core's column- and row-parallel linears, chosen by the layer spec.
+"""LoRA adapters: on megatron-core's column- and row-parallel linears, chosen by the layer spec,
+and on plain `nn.Linear`s of torch-native models (`add_adapters`, e.g. a policy's Gemma backbone).
 
 A targeted linear is built as `LoRAColumnParallelLinear` / `LoRARowParallelLinear`: megatron's
 own class (same `weight`, same sharded checkpoint layout) plus `lora_a` [rank, in] and
@@ -16,6 +17,9 @@ generator, seeded by the run seed and the linear's global name, so the start dep
 the TP/PP layout nor on what the global generator produced before the build. The run seed is
 `torch.initial_seed()`, the seed the trainer gives torch (`train.seed`) just before it builds
 the model.
+
+A torch-native `LoRALinear` is an `nn.Linear` (its `weight` and `bias` keep their names, so
+checkpoints and weight mappings of the base model still apply) with the same two adapters.
 """
 
 from __future__ import annotations
@@ -81,11 +85,11 @@ class LoRAConfig:
         out = []
         for t in self.target_modules:
             if t == "all-linear":
-                out += [f"*.{lf}" for lf in LINEARS]
+                out += [f"*.{_short(lf)}" for lf in LINEARS]
             elif t in hf_to_lf:
                 wanted_hf.setdefault(hf_to_lf[t], set()).add(t)
-            elif any(lf.split(".")[-1] == t or lf == t for lf in LINEARS):
-                out.append(f"*.{t}")
+            elif any(_short(lf) == t or lf == t for lf in LINEARS):
+                out.append(f"*.{_short(t)}")
             elif any(c in t for c in "*?["):
                 out.append(t)
             else:
@@ -98,11 +102,17 @@ class LoRAConfig:
                     f"lora.target_modules: {', '.join(sorted(got))} share one fused linear ({lf.split('.')[-1]}) with "
                     f"{', '.join(h for h in fused if h not in got)}; list all of {', '.join(fused)} or {lf.split('.')[-1]}"
                 )
-            out.append(f"*.{lf}")
+            out.append(f"*.{_short(lf)}")
         return out
 
     def targets(self, global_name: str) -> bool:
         return self.enabled and any(fnmatch.fnmatchcase(global_name, p) for p in self._patterns())
+
+
+def _short(linear: str) -> str:
+    """A decoder linear's own name (`linear_qkv`): megatron's layers hold it under
+    `self_attention.` / `mlp.`, torch-native Gemma layers directly."""
+    return linear.rsplit(".", 1)[-1]
 
 
 def is_adapter_key(name: str) -> bool:
@@ -223,10 +233,58 @@ def freeze_base(model: torch.nn.Module) -> int:
 
 def merged_state(model: torch.nn.Module) -> dict:
     """The model's tensors with every adapter folded into its base weight (adapter keys gone)."""
-    merged = {n + ".weight": m.merged_weight().detach() for n, m in model.named_modules() if hasattr(m, "merged_weight")}
-    out = {}
-    for k, v in model.state_dict().items():
-        if k.endswith("_extra_state") or is_adapter_key(k):
-            continue
-        out[k] = merged.get(k, v)
+    scales = {n: m.lora_scale for n, m in model.named_modules() if hasattr(m, "merged_weight")}
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    return merge_adapters(state, scales)
+
+
+def merge_adapters(state: dict, scale) -> dict:
+    """A state dict with each `<linear>.lora_a` / `.lora_b` pair folded into `<linear>.weight`
+    (W + scale * B A, in the weight's dtype; a TP shard's pair gives that shard's update) and gone.
+    `scale`: one for every linear, or {linear name: scale}."""
+    out = {k: v for k, v in state.items() if not is_adapter_key(k)}
+    for k in state:
+        if k.endswith(".lora_a"):
+            name = k[: -len(".lora_a")]
+            s = scale[name] if isinstance(scale, dict) else scale
+            w = out[name + ".weight"]
+            out[name + ".weight"] = (w.float() + s * (state[name + ".lora_b"].float() @ state[k].float())).to(w.dtype).detach()
     return out
+
+
+class LoRALinear(torch.nn.Linear):
+    """An `nn.Linear` plus adapters, output `W x + b + scale * B (A dropout(x))`; built from the
+    linear it replaces, sharing its weight and bias."""
+
+    def __init__(self, base: torch.nn.Linear, lora: LoRAConfig, name: str):
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight, self.bias = base.weight, base.bias
+        g = torch.Generator().manual_seed(_name_seed(name))
+        bound = 1.0 / math.sqrt(base.in_features)
+        a = torch.empty(lora.rank, base.in_features).uniform_(-bound, bound, generator=g)
+        like = dict(dtype=base.weight.dtype, device=base.weight.device)
+        self.lora_a = torch.nn.Parameter(a.to(**like))
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, lora.rank, **like))
+        self.lora_scale = lora.scale
+        self.lora_dropout = torch.nn.Dropout(lora.dropout) if lora.dropout > 0 else torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(self.lora_dropout(x), self.lora_a), self.lora_b) * self.lora_scale
+
+    def merged_weight(self) -> torch.Tensor:
+        return self.weight + self.lora_scale * (self.lora_b @ self.lora_a)
+
+
+def add_adapters(model: torch.nn.Module, lora: LoRAConfig, prefix: str = "") -> list[str]:
+    """Replace every plain `nn.Linear` of `model` whose name (`prefix` + its name in `model`)
+    `lora` targets with a `LoRALinear`; returns the names, in order (none: a UserError)."""
+    names = []
+    for name, module in list(model.named_modules()):
+        full = prefix + name
+        if type(module) is torch.nn.Linear and lora.targets(full):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, LoRALinear(module, lora, full))
+            names.append(full)
+    if not names:
+        raise UserError(f"lora.target_modules={list(lora.target_modules)} matched no linear layer")
+    return names
