@@ -9,18 +9,34 @@
 #   ckpt    tools/benchmarks/checkpoint_save.py (the 1.3B checkpoint save with and without the commit's fsyncs)
 #   compare tools/benchmarks/compare_trees.py: $LLM_SETUPS on this tree against the source tree in
 #           $OTHER_TREE, alternating fresh processes, $ROUNDS rounds (default 3; $COMPARE_ARGS)
+#   embodied  GPU tests of embodied training (tests/embodied/test_pi_gpu.py)
+#   oracle    tools/oracles/pi_vs_lerobot.py on the GPU, pi05 and pi0 (LeRobot's wheels in $LR_SITE)
+#   vla       tools/benchmarks/vla_throughput.py ($VLA_ARGS; $VLA_TIMEOUT s, default 540)
+# $SITE (default /tmp/site) is where the wheels in .whl go; a later call on the same warm machine
+# may carry none (SKIP_INSTALL=1) or others. LeRobot's set goes to $LR_SITE (its own
+# transformers): .whl_lr, installed when present.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 PARTS="${PARTS:-tests kernels llm sft}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/packages/loongforge-core/src:$PWD/packages/loongforge-llm/src:$PWD/packages/loongforge-kernels/src
+export SITE="${SITE:-/tmp/site}"; LR_SITE="${LR_SITE:-/tmp/site_lr}"
+if [ -z "${SKIP_INSTALL:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+fi
+if ls .whl_lr/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$LR_SITE" .whl_lr/*.whl || exit 1
+fi
+src=$PWD/packages
+export PYTHONPATH=$SITE:$src/loongforge-core/src:$src/loongforge-llm/src:$src/loongforge-kernels/src:$src/loongforge-embodied/src
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 # entry points come from installed distributions: register the source trees' packages as such
 python3 - <<'PY'
 import pathlib, site
-root = pathlib.Path("/tmp/site")
+import os
+root = pathlib.Path(os.environ["SITE"])
+root.mkdir(parents=True, exist_ok=True)
 for name, ep in (("loongforge_core", "core = loongforge.core.plugin:register"), ("loongforge_llm", "llm = loongforge.llm.plugin:register"),
-                 ("loongforge_kernels", "kernels = loongforge.kernels.plugin:register")):
+                 ("loongforge_kernels", "kernels = loongforge.kernels.plugin:register"),
+                 ("loongforge_embodied", "embodied = loongforge.embodied.plugin:register")):
     d = root / f"{name}-0.1.0.dist-info"
     d.mkdir(exist_ok=True)
     (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.1.0\n")
@@ -37,6 +53,9 @@ for part in $PARTS; do
     profile) timeout 200 python3 tools/benchmarks/profile_step.py ${PROFILE_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/profile_step.log" ;;
     ckpt) timeout ${CKPT_TIMEOUT:-400} python3 tools/benchmarks/checkpoint_save.py ${CKPT_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/checkpoint_save.log" ;;
     compare) timeout ${COMPARE_TIMEOUT:-500} python3 tools/benchmarks/compare_trees.py --other "$OTHER_TREE" --setups "$LLM_SETUPS" --rounds ${ROUNDS:-3} ${COMPARE_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/compare_trees.log" ;;
+    embodied) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/embodied/test_pi_gpu.py 2>&1 | tail -40 | tee "$OUT/embodied_gpu_tests.log" ;;
+    oracle) for v in pi05 pi0; do timeout 200 python3 tools/oracles/pi_vs_lerobot.py --site "$LR_SITE" --device cuda --variant $v 2>&1 | grep -v -i "warn" | tail -12; done | tee "$OUT/pi_oracle.log" ;;
+    vla) timeout ${VLA_TIMEOUT:-540} python3 tools/benchmarks/vla_throughput.py --site "$LR_SITE" ${VLA_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/vla_throughput.log" ;;
     llm) timeout ${LLM_TIMEOUT:-400} python3 tools/benchmarks/llm_throughput.py ${LLM_ARGS:-} ${LLM_SETUPS:+--setups "$LLM_SETUPS"} --json "$OUT/llm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/llm_throughput.log" ;;
   esac
 done

@@ -12,7 +12,7 @@ linears too), the action projections and the time MLP in fp32. LeRobot runs thro
 tools/oracles/pi_vs_lerobot.py (the adaRMS patch of transformers 4.53.2 it needs; see there for
 the wheels to install into `--site`).
 
-    python tools/benchmarks/vla_throughput.py --site /tmp/site_lr [--steps 10] [--compile]
+    python tools/benchmarks/vla_throughput.py --site /tmp/site_lr [--steps 10] [--compile [--compiled-only]]
 
 Prints samples/s and peak memory of a training step, and the latency of one action chunk (10
 flow steps, batch 1), for each side and their ratios.
@@ -127,7 +127,10 @@ def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, t
     obs1 = Observation(one(obs.images), one(image_masks), one(tokens), one(token_masks))
     ours.train()
     loss_fn = lambda: ours.flow_matching_loss(obs, actions)  # noqa: E731
-    rows.append(measure("LoongForge", train_step_fn(loss_fn, ours.parameters(), action_dim), lambda: ours.sample_actions(obs1), b, args))
+    if not args.compiled_only:
+        rows.append(
+            measure("LoongForge", train_step_fn(loss_fn, ours.parameters(), action_dim), lambda: ours.sample_actions(obs1), b, args)
+        )
     if args.compile:
         try:
             compiled_loss = torch.compile(ours.flow_matching_loss)
@@ -147,6 +150,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--latency-iters", type=int, default=10)
     ap.add_argument("--compile", action="store_true", help="also time LoongForge with torch.compile on the loss and the velocity")
+    ap.add_argument("--compiled-only", action="store_true", help="with --compile: only the compiled rows (both sides)")
     ap.add_argument("--skip-lerobot", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="the oracle's tiny shapes (a dry run of this script, on the CPU too)")
     args = ap.parse_args()
@@ -206,7 +210,8 @@ def main() -> int:
         imgs1, masks1 = [one(x) for x in imgs], [one(x) for x in masks]
         loss_fn = lambda: lr.model.forward(imgs, masks, tokens, token_masks, actions)  # noqa: E731
         infer = lambda: lr.model.sample_actions(imgs1, masks1, one(tokens), one(token_masks))  # noqa: E731
-        rows.append(measure("LeRobot 0.4.4", train_step_fn(loss_fn, lr.parameters(), action_dim), infer, b, args))
+        if not args.compiled_only:
+            rows.append(measure("LeRobot 0.4.4", train_step_fn(loss_fn, lr.parameters(), action_dim), infer, b, args))
         if args.compile:
             # what LeRobot's compile_model does (its forward and sample_actions through torch.compile),
             # in torch.compile's default mode as LoongForge's row uses
