@@ -1,7 +1,9 @@
 """The assistant mask of a template without `{% generation %}` blocks, by incremental rendering:
 the same tokens as the generation-block mask where a template has both, a refusal where the
-template is not prefix-stable, and the template's own errors as bad rows."""
+template is not prefix-stable, the template's own errors as bad rows, and the reasoning trained
+or masked."""
 
+import copy
 import re
 
 import pytest
@@ -21,7 +23,11 @@ CONVERSATIONS = {
     ],
     "tool call and result": [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}],
+        },
         {"role": "tool", "content": '{"temp": 21}'},
         {"role": "assistant", "content": "It is 21 degrees."},
     ],
@@ -42,11 +48,44 @@ def _without_generation_blocks(template: str) -> str:
     return re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", template)
 
 
-@pytest.mark.parametrize("template", ["qwen2", "qwen3", "llama3"])
+# Templates that mark their assistant text with {% generation %} blocks (content, end of turn and
+# separator, as the mask convention has it): ChatML with Qwen's tool calls, and Llama 3's format.
+_CALL = "{%- set c = call.function if call.function is defined else call %}"
+WITH_BLOCKS = {
+    "chatml": (
+        "{%- for m in messages %}"
+        "{%- if m['role'] == 'assistant' %}"
+        "<|im_start|>assistant\n{% generation %}{{ m['content'] }}"
+        "{%- for call in m.get('tool_calls') or [] %}"
+        + _CALL
+        + "{{ '\n' if (m['content'] or not loop.first) }}<tool_call>\n{\"name\": \"{{ c['name'] }}\", \"arguments\": {{ c['arguments'] | tojson }}}\n</tool_call>"
+        "{%- endfor %}<|im_end|>{{ '\\n' }}{% endgeneration %}"
+        "{%- elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>{{ '\\n' }}"
+        "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{{ '\\n' }}{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{%- endif %}"
+    ),
+    "llama3": (
+        "{{- bos_token }}"
+        "{%- for m in messages %}"
+        "{%- if m['role'] == 'assistant' %}"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{% generation %}{{ m['content'] | trim }}"
+        "{%- for call in m.get('tool_calls') or [] %}"
+        + _CALL
+        + '{"name": "{{ c[\'name\'] }}", "parameters": {{ c[\'arguments\'] | tojson }}}'
+        "{%- endfor %}<|eot_id|>{% endgeneration %}"
+        "{%- else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n{{ '\\n' }}{%- endif %}"
+    ),
+}
+
+
+@pytest.mark.parametrize("template", sorted(WITH_BLOCKS))
 @pytest.mark.parametrize("case", list(CONVERSATIONS))
 def test_incremental_mask_equals_the_generation_block_mask(tok, template, case):
     messages = CONVERSATIONS[case]
-    with_blocks = BUILTIN_TEMPLATES[template]
+    with_blocks = WITH_BLOCKS[template]
     ids, want = _generation_mask(tok, with_blocks, messages)
     got_ids, got = incremental_mask(tok, _without_generation_blocks(with_blocks), messages)
     assert got_ids == ids
@@ -55,7 +94,7 @@ def test_incremental_mask_equals_the_generation_block_mask(tok, template, case):
 
 
 def test_mask_covers_content_end_of_turn_and_separator(tok):
-    ids, mask = incremental_mask(tok, _without_generation_blocks(BUILTIN_TEMPLATES["qwen2"]), CONVERSATIONS["single turn"])
+    ids, mask = incremental_mask(tok, BUILTIN_TEMPLATES["qwen2"], CONVERSATIONS["single turn"])
     trained = tok.decode([t for t, m in zip(ids, mask) if m])
     assert trained == "Ben has the kite.<|im_end|>\n"
 
@@ -81,8 +120,9 @@ def test_not_prefix_stable_is_refused_naming_the_turn_and_last_turn_only_works(t
 
 
 def test_template_errors_are_bad_rows(tok):
-    strict = "{%- if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}{%- endif %}" + (
-        _without_generation_blocks(BUILTIN_TEMPLATES["qwen2"])
+    strict = (
+        "{%- if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}{%- endif %}"
+        + (BUILTIN_TEMPLATES["qwen2"])
     )
     with pytest.raises(BadSample) as e:
         incremental_mask(tok, strict, CONVERSATIONS["single turn"])
@@ -95,7 +135,7 @@ def test_tokenizer_template_without_generation_blocks_trains(tok):
     from loongforge.core.data.text import SFTTokenizer
 
     own = copy.deepcopy(tok)
-    own.chat_template = _without_generation_blocks(BUILTIN_TEMPLATES["qwen2"])
+    own.chat_template = BUILTIN_TEMPLATES["qwen2"]
     messages = CONVERSATIONS["system and two turns"]
     got = SFTTokenizer(own)(messages)
     want = SFTTokenizer(tok, template="qwen2")(messages)
@@ -118,6 +158,9 @@ def test_not_prefix_stable_tokenizer_template_is_refused_by_name(tok):
 
 
 def test_reasoning_trained_or_masked_by_option(tok):
+    """Qwen3's published template: the reasoning in a <think> block before the answer, trained
+    with it or (train_on_reasoning=false) not; with enable_thinking=false the empty block the
+    generation prompt prefills stays out of the trained text."""
     from loongforge.core.data.text import SFTTokenizer
     from loongforge.core.errors import UserError
 
@@ -125,8 +168,8 @@ def test_reasoning_trained_or_masked_by_option(tok):
         {"role": "user", "content": "one plus two?"},
         {"role": "assistant", "reasoning_content": "count up from one", "content": "three."},
     ]
-    with_r = SFTTokenizer(tok, template="qwen3_thinking")(messages)
-    without = SFTTokenizer(tok, template="qwen3_thinking", train_on_reasoning=False)(messages)
+    with_r = SFTTokenizer(tok, template="qwen3")(messages)
+    without = SFTTokenizer(tok, template="qwen3", train_on_reasoning=False)(messages)
     assert with_r["input_ids"] == without["input_ids"]  # the same text either way
 
     def trained(s):
@@ -134,5 +177,12 @@ def test_reasoning_trained_or_masked_by_option(tok):
 
     assert trained(with_r) == "<think>\ncount up from one\n</think>\n\nthree.<|im_end|>\n"
     assert trained(without) == "three.<|im_end|>\n"
-    with pytest.raises(UserError, match="train_on_reasoning=false.*qwen3_thinking"):
-        SFTTokenizer(tok, train_on_reasoning=False)
+    plain = [messages[0], {"role": "assistant", "content": "three."}]
+    assert trained(SFTTokenizer(tok, template="qwen3")(plain)) == "<think>\n\n</think>\n\nthree.<|im_end|>\n"
+    no_think = SFTTokenizer(tok, template="qwen3", template_kwargs={"enable_thinking": False})(plain)
+    assert trained(no_think) == "three.<|im_end|>\n"
+    assert tok.decode(no_think["input_ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nthree.<|im_end|>\n")
+    own = copy.deepcopy(tok)
+    own.chat_template = WITH_BLOCKS["chatml"]
+    with pytest.raises(UserError, match="train_on_reasoning=false.*generation"):
+        SFTTokenizer(own, train_on_reasoning=False)

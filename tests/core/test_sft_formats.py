@@ -115,7 +115,11 @@ def test_developer_and_function_roles():
     assert to_messages(row, "openai").messages == [
         {"role": "system", "content": "be brief"},
         USER,
-        {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
         {"role": "tool", "content": "sunny", "name": "get_weather"},
         {"role": "assistant", "content": "sunny"},
     ]
@@ -221,7 +225,10 @@ def test_tool_call_arguments(args, expected):
     assert msg == {
         "role": "assistant",
         "content": "",
-        "tool_calls": [{"name": "w", "arguments": expected}, {"name": "bare", "arguments": {"n": 1}}],
+        "tool_calls": [
+            {"type": "function", "function": {"name": "w", "arguments": expected}},
+            {"type": "function", "function": {"name": "bare", "arguments": {"n": 1}}},
+        ],
     }
 
 
@@ -268,7 +275,11 @@ def test_sharegpt_function_calls_and_observations():
     conv = to_messages(row, "sharegpt")
     assert conv.messages == [
         {"role": "user", "content": "weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
         {"role": "tool", "content": '{"sky": "sunny"}'},
         {"role": "assistant", "content": "It is sunny."},
     ]
@@ -288,7 +299,14 @@ def test_sharegpt_parallel_calls_and_json_observation():
         "sharegpt",
     )
     assert conv.messages[1:3] == [
-        {"role": "assistant", "content": "", "tool_calls": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "a", "arguments": {}}},
+                {"type": "function", "function": {"name": "b", "arguments": {"x": 1}}},
+            ],
+        },
         {"role": "tool", "content": '{"x": 1}'},
     ]
 

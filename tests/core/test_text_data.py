@@ -58,7 +58,7 @@ def test_bad_rows_have_reasons(row, fmt, reason):
     assert e.value.reason == reason
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN_TEMPLATES))
+@pytest.mark.parametrize("name", sorted(set(BUILTIN_TEMPLATES) - {"qwen3"}))
 def test_loss_only_on_assistant_tokens(tok, name):
     st = SFTTokenizer(tok, template=name)
     msgs = [
@@ -68,6 +68,8 @@ def test_loss_only_on_assistant_tokens(tok, name):
         {"role": "user", "content": "and two plus two"},
         {"role": "assistant", "content": "is four."},
     ]
+    if name == "gemma":  # Gemma's template has no system role
+        msgs = msgs[1:]
     s = st(msgs)
     assert len(s["input_ids"]) == len(s["labels"])
     text = _trained_text(tok, s)
@@ -77,6 +79,22 @@ def test_loss_only_on_assistant_tokens(tok, name):
     assert "is four." in last and "is three." not in last
     full = SFTTokenizer(tok, template=name, train_on_prompt=True)(msgs)
     assert all(t != -100 for t in full["labels"])
+
+
+def test_qwen3_multi_turn_needs_last_turn_only(tok):
+    """Qwen3's published template puts the think block only on turns after the last user message,
+    so an earlier turn renders differently once later turns follow: refused by name, and trained
+    on its last turn with last_turn_only."""
+    msgs = [
+        {"role": "user", "content": "one plus two"},
+        {"role": "assistant", "content": "is three."},
+        {"role": "user", "content": "and two plus two"},
+        {"role": "assistant", "content": "is four."},
+    ]
+    with pytest.raises(UserError, match="the built-in template 'qwen3' is not prefix-stable.*last_turn_only"):
+        SFTTokenizer(tok, template="qwen3")(msgs)
+    last = _trained_text(tok, SFTTokenizer(tok, template="qwen3", last_turn_only=True)(msgs))
+    assert last == "<think>\n\n</think>\n\nis four.<|im_end|>\n"
 
 
 def test_tokenize_rows_counts_and_policies(tok):
@@ -117,7 +135,7 @@ TOOL_ROW = {
     ]
 }
 # The published chat formats of Qwen2.5 (tool calls in <tool_call>, results grouped in one user
-# turn) and Llama 3.1 (JSON call with "parameters", results as ipython), written out by hand.
+# turn) and Llama 3.1, written out by hand.
 EXPECTED = {
     "qwen2": (
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n"
@@ -127,11 +145,14 @@ EXPECTED = {
         # trained: each answer, its end-of-turn token and the newline after it
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\nIt is sunny.<|im_end|>\n',
     ),
-    "llama3": (
-        "<|endoftext|><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+    # Llama 3.1: the date header, the call as JSON with "parameters", the results as ipython turns
+    # rendered as JSON (so a string result comes out quoted)
+    "llama3.1": (
+        "<|endoftext|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+        "be brief<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
         "weather in Paris?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|>'
-        "<|start_header_id|>ipython<|end_header_id|>\n\nwarm<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nIt is sunny.<|eot_id|>",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n"sunny"<|eot_id|>'
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"warm"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nIt is sunny.<|eot_id|>',
         '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>It is sunny.<|eot_id|>',
     ),
 }

@@ -341,6 +341,8 @@ def test_sft_dry_run_shows_trained_spans_and_bad_rows(tmp_path):
     assert "row 1: bad row, skipped in training (no_final_assistant" in r.stdout
     assert not list(tmp_path.glob("*/"))  # nothing written
     _one_line_error(run_cli([*args, "--dry-run", "-1"]), "--dry-run=-1")
+    _one_line_error(run_cli([*args, "--dry-run", "1", "--template-kwargs", "[1]"]), "--template-kwargs is not a JSON object")
+    _one_line_error(run_cli([*args[:-1], "qwen3_thinking", "--dry-run", "1"]), "unknown chat template 'qwen3_thinking'; built-in: llama3")
 
 
 def test_cli_called_in_process_keeps_the_callers_process_group(monkeypatch):

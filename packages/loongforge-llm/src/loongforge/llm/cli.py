@@ -61,13 +61,19 @@ def parser() -> argparse.ArgumentParser:
     sft.add_argument("--format", default="alpaca", help="alpaca | sharegpt | openai")
     sft.add_argument("--keys", default="{}", help='field-name overrides as JSON, e.g. \'{"messages": "chat"}\'')
     sft.add_argument(
-        "--template", default=None, help="built-in chat template (qwen2, qwen3, qwen3_thinking, llama3); default: the tokenizer's own"
+        "--template",
+        default=None,
+        help="built-in chat template, the published one of: llama3, llama3.1, llama3.2, qwen2 (Qwen2.5), qwen3, deepseek_v3, gemma; "
+        "default: the tokenizer's own",
+    )
+    sft.add_argument(
+        "--template-kwargs", default="{}", help="the template's variables as JSON, e.g. '{\"enable_thinking\": false}' for qwen3"
     )
     sft.add_argument("--seq-length", type=int, default=4096)
     sft.add_argument("--no-packing", action="store_true", help="one padded sample per row")
     sft.add_argument("--train-on-prompt", action="store_true")
     sft.add_argument("--last-turn-only", action="store_true")
-    sft.add_argument("--no-reasoning-loss", action="store_true", help="no loss on the reasoning (<think>) of --template qwen3_thinking")
+    sft.add_argument("--no-reasoning-loss", action="store_true", help="no loss on the reasoning (the <think> block) of assistant turns")
     sft.add_argument("--append-eos", action="store_true")
     sft.add_argument("--on-bad-sample", default="skip", choices=["skip", "error"])
     sft.add_argument("--seed", type=int, default=1234, help="order of the samples before packing")
@@ -150,10 +156,17 @@ def preprocess_sft(args) -> int:
         keys = json.loads(args.keys)
     except json.JSONDecodeError:
         raise UserError(f"--keys is not a JSON object: {args.keys}") from None
+    try:
+        template_kwargs = json.loads(args.template_kwargs)
+    except json.JSONDecodeError:
+        template_kwargs = None
+    if not isinstance(template_kwargs, dict):
+        raise UserError(f"--template-kwargs is not a JSON object: {args.template_kwargs}")
     d = SFTDataConfig(
         datasets=[SFTDatasetConfig(path=args.input[0], format=args.format, keys=keys)],
         tokenizer=args.tokenizer,
         template=args.template,
+        template_kwargs=template_kwargs,
         seq_length=args.seq_length,
         packing=not args.no_packing,
         train_on_prompt=args.train_on_prompt,

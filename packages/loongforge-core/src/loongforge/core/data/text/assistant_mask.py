@@ -3,8 +3,9 @@
 A template with `{% generation %}` blocks says so itself (HF's `return_assistant_tokens_mask`).
 Any other template is rendered incrementally: assistant turn i spans from the end of the
 conversation before it rendered with the generation prompt (so the assistant header stays
-out) to the end of the conversation up to and including it (its content, end-of-turn token and
-the separator the template puts after it). That is exact only when the template is
+out; where the generation prompt also prefills text the turn does not start with, as DeepSeek-V3's
+`<think>`, from where the two part) to the end of the conversation up to and including it (its
+content, end-of-turn token and the separator the template puts after it). That is exact only when the template is
 prefix-stable on the conversation (each partial rendering a prefix of the whole one); a template
 that renders earlier turns differently once later ones exist (Qwen3's published template drops
 the reasoning of turns before the last user message) is not, and is refused for that row.
@@ -12,6 +13,7 @@ the reasoning of turns before the last user message) is not, and is refused for 
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from loongforge.core.data.text.formats import BadSample
@@ -25,22 +27,51 @@ class NotPrefixStable(Exception):
         self.index = index
 
 
-def assistant_spans(render: Callable[[list, bool], str], messages: list[dict], turns: str = "all") -> tuple[str, list[tuple[int, int]]]:
-    """(the whole rendering, [(start, end) character span of each assistant turn]), where
+def assistant_spans(
+    render: Callable[[list, bool], str], messages: list[dict], turns: str = "all", exclude: tuple[str, str] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """(the whole rendering, [(start, end) character spans of the assistant turns]), where
     `render(messages, add_generation_prompt)` renders a conversation. `turns="last"` finds the last
-    assistant turn only (which needs prefix stability up to that turn only)."""
+    assistant turn only (which needs prefix stability up to that turn only). `exclude` = (open,
+    close): the first open...close block of a turn and the newlines after it stay out (a turn's
+    reasoning), splitting its span in two."""
     full = render(messages, False)
     index = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if turns == "last":
         index = index[-1:]
     spans = []
     for i in index:
-        head = render(messages[:i], True)
+        base = render(messages[:i], False) if i else ""
         upto = render(messages[: i + 1], False)
-        if not (upto.startswith(head) and full.startswith(upto)):
+        if not (upto.startswith(base) and full.startswith(upto)):
             raise NotPrefixStable(i)
-        spans.append((len(head), len(upto)))
+        spans += _without_block(upto, _turn_start(render, messages, i, base, upto), len(upto), exclude)
     return full, spans
+
+
+def _turn_start(render, messages: list[dict], i: int, base: str, upto: str) -> int:
+    """Where assistant turn i's own text starts in `upto`: after the generation prompt, or, where
+    that prompt prefills what the turn does not start with, after the header the turn shares with
+    any other assistant turn in its place (two probe turns that differ from their first character)."""
+    head = render(messages[:i], True)
+    if upto.startswith(head):
+        return len(head)
+    start = len(os.path.commonprefix([head, upto]))
+    probes = [render(messages[:i] + [{"role": "assistant", "content": c}], False) for c in ("\x01", "\x02")]
+    return max(len(base), min(start, len(os.path.commonprefix(probes))))
+
+
+def _without_block(text: str, start: int, end: int, block: tuple[str, str] | None) -> list[tuple[int, int]]:
+    if block is None:
+        return [(start, end)]
+    a = text.find(block[0], start, end)
+    b = text.find(block[1], a + len(block[0]), end) if a >= 0 else -1
+    if b < 0:
+        return [(start, end)]
+    b += len(block[1])
+    while b < end and text[b] == "\n":
+        b += 1
+    return [(x, y) for x, y in ((start, a), (b, end)) if y > x]
 
 
 def token_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -51,16 +82,18 @@ def token_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list
     return list(enc["input_ids"]), mask
 
 
-def incremental_mask(tokenizer, template: str, messages: list[dict], tools=None, turns: str = "all", **kwargs) -> tuple[list, list]:
-    """(input ids, assistant mask) of `messages` under `template`, by incremental rendering.
-    Raises NotPrefixStable, or BadSample("template_error") where the template itself refuses the
-    conversation (its `raise_exception`)."""
+def incremental_mask(
+    tokenizer, template: str, messages: list[dict], tools=None, turns: str = "all", exclude: tuple[str, str] | None = None, **kwargs
+) -> tuple[list, list]:
+    """(input ids, assistant mask) of `messages` under `template` (`kwargs`: its variables), by
+    incremental rendering. Raises NotPrefixStable, or BadSample("template_error") where the
+    template itself refuses the conversation (its `raise_exception`)."""
 
     def render(msgs, gen):
         return tokenizer.apply_chat_template(msgs, chat_template=template, tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs)
 
     try:
-        text, spans = assistant_spans(render, messages, turns)
+        text, spans = assistant_spans(render, messages, turns, exclude)
     except NotPrefixStable:
         raise
     except Exception as e:  # the template's own checks (jinja2's TemplateError and what it raises)

@@ -18,12 +18,15 @@ class SFTDatasetConfig:
 class SFTDataConfig:
     datasets: List[SFTDatasetConfig] = field(default_factory=list)
     tokenizer: str = "tiny"
-    template: Optional[str] = None  # None: the tokenizer's own; or qwen2, qwen3, qwen3_thinking, llama3
+    template: Optional[str] = None  # None: the tokenizer's own; or a built-in: llama3, llama3.1, llama3.2, qwen2, qwen3, deepseek_v3, gemma
+    template_kwargs: dict = field(
+        default_factory=dict
+    )  # the template's variables, e.g. {enable_thinking: false}, {date_string: 04 Dec 2026}
     seq_length: int = 512
     packing: bool = True  # best-fit decreasing packs (micro_batch_size must be 1); false: one padded sample per row
     train_on_prompt: bool = False
     last_turn_only: bool = False
-    train_on_reasoning: bool = True  # false: no loss on the reasoning (<think> block) of the built-in qwen3_thinking
+    train_on_reasoning: bool = True  # false: no loss on the reasoning (the <think> block) of an assistant turn
     append_eos: bool = (
         False  # add the tokenizer's EOS (trained on) after each sample, for models whose EOS is not the template's end of turn
     )

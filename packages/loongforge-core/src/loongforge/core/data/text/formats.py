@@ -126,19 +126,44 @@ def _content(v, where: str, tool: bool = False) -> str:
     raise BadSample("bad_field_type", f"{where} is {_type(v)}, expected str or a list of content parts")
 
 
-def _arguments(name: str, args) -> dict:
-    if args is None:
-        return {}
+class Arguments(dict):
+    """A tool call's arguments: the JSON object (what HF chat templates take) and, in `text`, its
+    JSON text (the row's own, where it gave text), for templates that take the text instead
+    (DeepSeek-V3's published one concatenates it as a string)."""
+
+    def __init__(self, value: dict, text: str | None = None):
+        super().__init__(value)
+        self.text = json.dumps(value, ensure_ascii=False) if text is None else text
+
+
+def arguments_as_text(messages: list[dict]) -> list[dict]:
+    """The messages with each tool call's arguments as their JSON text."""
+
+    def text(a):
+        return a.text if isinstance(a, Arguments) else json.dumps(a, ensure_ascii=False)
+
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{**c, "function": {**c["function"], "arguments": text(c["function"]["arguments"])}} for c in m["tool_calls"]]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def _arguments(name: str, args) -> Arguments:
+    text = None
+    if args is None or (isinstance(args, str) and not args.strip()):
+        return Arguments({})
     if isinstance(args, str):
-        if not args.strip():
-            return {}
+        text = args
         try:
             args = json.loads(args)
         except json.JSONDecodeError:
             raise BadSample("bad_tool_call", f"arguments of {name} are not JSON") from None
     if not isinstance(args, dict):
         raise BadSample("bad_tool_call", f"arguments of {name} are {_type(args)}, expected a JSON object")
-    return args
+    return Arguments(args, text)
 
 
 def _function(v):
@@ -154,11 +179,12 @@ def _function(v):
 
 def _tool_call(call) -> dict:
     """An OpenAI tool call ({"type": "function", "function": {"name", "arguments": JSON text}}) or a
-    bare {"name", "arguments"}, as chat templates take it: {"name", "arguments": dict}."""
+    bare {"name", "arguments"}, in the form every published template reads (HF's):
+    {"type": "function", "function": {"name", "arguments": Arguments}}."""
     fn = _function(call)
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise BadSample("bad_tool_call", "a tool call needs a function name")
-    return {"name": fn["name"], "arguments": _arguments(fn["name"], fn.get("arguments"))}
+    return {"type": "function", "function": {"name": fn["name"], "arguments": _arguments(fn["name"], fn.get("arguments"))}}
 
 
 def _tool_calls(calls) -> list[dict]:

@@ -31,6 +31,7 @@ def sft_tokenizer(d, tok) -> SFTTokenizer:
         last_turn_only=d.last_turn_only,
         append_eos=d.append_eos,
         train_on_reasoning=d.train_on_reasoning,
+        template_kwargs=d.template_kwargs,
     )
 
 

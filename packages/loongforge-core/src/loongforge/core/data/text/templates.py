@@ -1,76 +1,47 @@
 """Chat templates with assistant-token masks.
 
-The tokenizer's own Jinja template is used when it has one; the built-in templates serve
-tokenizers that have none. A template with `{% generation %}` blocks (every built-in one) marks
-the assistant text itself, so HF's `apply_chat_template(..., return_assistant_tokens_mask=True)`
-gives the mask; any other template's mask comes from rendering the conversation incrementally
-(`assistant_mask`), refused for a conversation on which the template is not prefix-stable.
-Either way the trained tokens are each assistant turn's content, its end-of-turn token and the
-separator the template puts after it.
+The tokenizer's own Jinja template is used unless `template` names a built-in one. The
+built-ins are the published templates themselves, shipped in `assets/chat_templates/` (each
+file names its source): `llama3` (Llama 3.0), `llama3.1`, `llama3.2`, `qwen2` (Qwen2.5),
+`qwen3`, `deepseek_v3`, `gemma`, so a built-in renders byte for byte what the model's own
+tokenizer does. Template variables (`enable_thinking` of Qwen3, `date_string` of Llama 3.1 /
+3.2, `tools_in_user_message`) come from `template_kwargs`; the Llama 3.2 built-in pins
+`date_string` to its published fallback, 26 Jul 2024, unless told otherwise, so the data do not
+change with the day they are tokenized on. DeepSeek-V3's template gets each tool call's
+arguments as their JSON text, as it concatenates them.
+
+A template with `{% generation %}` blocks marks the assistant text itself, so HF's
+`apply_chat_template(..., return_assistant_tokens_mask=True)` gives the mask; any other template's
+mask comes from rendering the conversation incrementally (`assistant_mask`), refused for a
+conversation on which the template is not prefix-stable. Either way the trained tokens are each
+assistant turn's content, its end-of-turn token and the separator the template puts after it;
+`train_on_reasoning=False` takes the `<think>...</think>` block of a turn out of them.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from importlib import resources
 
 from loongforge.core.data.text.assistant_mask import NotPrefixStable, incremental_mask
-from loongforge.core.data.text.formats import BadSample, Conversation
+from loongforge.core.data.text.formats import BadSample, Conversation, arguments_as_text
 from loongforge.core.errors import UserError
 
-# A tool call, as HF chat templates take it: {"name", "arguments"} or {"function": {...}}.
-_CALL = "{%- set c = call.function if call.function is defined else call %}"
-_IM = (
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'assistant' %}"
-    "<|im_start|>assistant\n{THINK}{{ m['content'] }}"
-    "{%- for call in m.get('tool_calls') or [] %}"
-    + _CALL
-    + "{{ '\n' if (m['content'] or not loop.first) }}<tool_call>\n{\"name\": \"{{ c['name'] }}\", \"arguments\": {{ c['arguments'] | tojson }}}\n</tool_call>"
-    "{%- endfor %}<|im_end|>{{ '\\n' }}{% endgeneration %}"
-    "{%- elif m['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{%- endif %}"
-    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ '\\n' }}{%- endif %}"
-    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{{ '\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{%- endif %}"
-)
-
-_REASONING = "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
+BUILTIN_NAMES = ("llama3", "llama3.1", "llama3.2", "qwen2", "qwen3", "deepseek_v3", "gemma")
+_BUILTIN_KWARGS = {"llama3.2": {"date_string": "26 Jul 2024"}}
+_ARGUMENTS_AS_TEXT = {"deepseek_v3"}  # its template concatenates a tool call's arguments as a string
 
 
-def _im(think: str, train_think: bool = True) -> str:
-    """The ChatML template with `think` before each answer, inside the trained span or not."""
-    gen = "{% generation %}"
-    return _IM.replace("{THINK}", gen + think if train_think else think + gen)
+def builtin_template(name: str) -> str:
+    """The text of the built-in template `name` (a UserError naming the built-ins otherwise)."""
+    if name not in BUILTIN_NAMES:
+        raise UserError(f"unknown chat template {name!r}; built-in: {', '.join(BUILTIN_NAMES)}")
+    return resources.files("loongforge.core.data.text").joinpath("assets", "chat_templates", f"{name}.jinja").read_text()
 
 
-BUILTIN_TEMPLATES = {
-    "qwen2": _im(""),
-    # Qwen3 without thinking: an empty think block precedes every answer.
-    "qwen3": _im("<think>\n\n</think>\n\n"),
-    # Qwen3 with thinking: the reasoning, when a message carries it, is trained on too
-    # (data.train_on_reasoning=false: REASONING_MASKED's variant).
-    "qwen3_thinking": _im(_REASONING),
-    # Llama 3.1: a tool call is the assistant's JSON {"name", "parameters"}; results come back as `ipython`.
-    "llama3": (
-        "{{- bos_token }}"
-        "{%- for m in messages %}"
-        "{%- if m['role'] == 'assistant' %}"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n{% generation %}{{ m['content'] | trim }}"
-        "{%- for call in m.get('tool_calls') or [] %}"
-        + _CALL
-        + '{"name": "{{ c[\'name\'] }}", "parameters": {{ c[\'arguments\'] | tojson }}}'
-        "{%- endfor %}<|eot_id|>{% endgeneration %}"
-        "{%- elif m['role'] == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
-        "{%- else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{%- endif %}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n{{ '\\n' }}{%- endif %}"
-    ),
-}
-# the same text, the reasoning outside the trained span
-REASONING_MASKED = {"qwen3_thinking": _im(_REASONING, train_think=False)}
+BUILTIN_TEMPLATES = {name: builtin_template(name) for name in BUILTIN_NAMES}
+THINK = ("<think>", "</think>")
 
 IGNORE = -100
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -80,7 +51,8 @@ class SFTTokenizer:
     """messages -> (input_ids, labels) with the loss only where the options say.
 
     `train_on_prompt`: loss on every token. `last_turn_only`: loss on the last assistant turn only.
-    `train_on_reasoning=False`: no loss on the reasoning (`<think>` block) of a built-in template.
+    `train_on_reasoning=False`: no loss on the reasoning (the `<think>` block) of an assistant turn.
+    `template_kwargs`: the template's own variables (e.g. enable_thinking, date_string).
     `append_eos`: the tokenizer's EOS follows the sample (trained on) unless it already ends it.
     Over-long samples raise BadSample("over_long"); `stats` counts kept and bad rows by reason.
     """
@@ -94,18 +66,14 @@ class SFTTokenizer:
         last_turn_only: bool = False,
         append_eos: bool = False,
         train_on_reasoning: bool = True,
+        template_kwargs: dict | None = None,
     ):
         self.tok = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        self.arguments_as_text = template in _ARGUMENTS_AS_TEXT
         if template is not None:
-            if template not in BUILTIN_TEMPLATES:
-                raise UserError(f"unknown chat template {template!r}; built-in: {', '.join(BUILTIN_TEMPLATES)}")
-            chosen = BUILTIN_TEMPLATES if train_on_reasoning else {**BUILTIN_TEMPLATES, **REASONING_MASKED}
-            self.template, self.template_name = chosen[template], f"the built-in template {template!r}"
-        elif not train_on_reasoning:
-            raise UserError(
-                "data.train_on_reasoning=false masks the reasoning where a built-in template renders it: "
-                f"set data.template to one ({', '.join(REASONING_MASKED)})"
-            )
+            self.template, self.template_name = builtin_template(template), f"the built-in template {template!r}"
+            self.template_kwargs = {**_BUILTIN_KWARGS.get(template, {}), **self.template_kwargs}
         elif getattr(tokenizer, "chat_template", None):
             self.template, self.template_name = tokenizer.chat_template, "the tokenizer's chat template"
             if not _GENERATION.search(self.template) and not getattr(tokenizer, "is_fast", False):
@@ -115,6 +83,12 @@ class SFTTokenizer:
                 )
         else:
             raise UserError(f"the tokenizer has no chat template; set a built-in one ({', '.join(BUILTIN_TEMPLATES)})")
+        if not train_on_reasoning and _GENERATION.search(self.template):
+            raise UserError(
+                f"data.train_on_reasoning=false: {self.template_name} marks its trained text with {{% generation %}} blocks, "
+                "which decide the mask themselves; drop the option or use a template without them"
+            )
+        self.train_on_reasoning = train_on_reasoning
         self.max_length = max_length
         self.train_on_prompt = train_on_prompt
         self.last_turn_only = last_turn_only
@@ -126,6 +100,8 @@ class SFTTokenizer:
     def __call__(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
         if isinstance(messages, Conversation):
             messages, tools = messages.messages, messages.tools if tools is None else tools
+        if self.arguments_as_text:
+            messages = arguments_as_text(messages)
         ids, mask = self._masked(messages, tools)
         if self.append_eos and ids[-1] != self.tok.eos_token_id:
             ids.append(self.tok.eos_token_id)
@@ -146,11 +122,25 @@ class SFTTokenizer:
         if _GENERATION.search(self.template):
             extra = {"tools": tools} if tools is not None else {}
             out = self.tok.apply_chat_template(
-                messages, chat_template=self.template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **extra
+                messages,
+                chat_template=self.template,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                **extra,
+                **self.template_kwargs,
             )
             return list(out["input_ids"]), list(out["assistant_masks"])
         try:
-            return incremental_mask(self.tok, self.template, messages, tools, turns="last" if self.last_turn_only else "all")
+            return incremental_mask(
+                self.tok,
+                self.template,
+                messages,
+                tools,
+                turns="last" if self.last_turn_only else "all",
+                exclude=None if self.train_on_reasoning else THINK,
+                **self.template_kwargs,
+            )
         except NotPrefixStable as e:
             raise UserError(
                 f"{self.template_name} is not prefix-stable on this conversation: it renders assistant turn {e.index} "
