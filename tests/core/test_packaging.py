@@ -82,6 +82,8 @@ def test_every_package_builds_a_wheel(tmp_path):
     assert "loongforge/core/data/text/assets/tiny_tokenizer/tokenizer.json" in core_names
     assert "loongforge/core/data/text/assets/tiny_tokenizer/tokenizer_config.json" in core_names
     assert "loongforge/core/data/text/assets/tiny_sft.jsonl" in core_names
+    assert "loongforge/core/data/text/assets/chat_templates/llama3.1.jinja" in core_names  # the built-in chat templates
+    assert "loongforge/embodied/configs/pi05.yaml" in zipfile.ZipFile(wheels["loongforge_embodied"]).namelist()
     assert not any(n == "loongforge/__init__.py" for n in core_names)
     entry = (
         zipfile.ZipFile(wheels["loongforge_core"])
