@@ -157,6 +157,17 @@ def moe_order(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     return row_ids, bounds.diff()
 
 
+def moe_expert_mlp(permuted: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+    """Each expert's SwiGLU MLP on its rows of `permuted` [T, H] (as `moe_permute` groups them,
+    `tokens_per_expert` [E] rows each): rows of expert e -> swiglu(x @ fc1[e].T) @ fc2[e].T, with
+    fc1 [E, 2F, H] (gate rows, then up rows) and fc2 [E, H, F]. The reference loops over the
+    experts (reading the counts on the host); `grouped_mm` runs them as two grouped GEMMs."""
+    out = []
+    for e, rows in enumerate(permuted.split(tokens_per_expert.tolist())):
+        out.append(F.linear(swiglu(F.linear(rows, fc1[e])), fc2[e]))
+    return torch.cat(out) if out else permuted.new_empty(0, fc2.shape[1])
+
+
 def moe_unpermute(permuted: torch.Tensor, row_ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """Inverse of moe_permute, combining each token's k expert outputs weighted by probs [N, k]:
     out[t] = sum_j probs[t, j] * permuted[position of (t, j)]. Computed in fp32."""

@@ -19,6 +19,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "linear_cross_entropy": reference.linear_cross_entropy,
     "moe_permute": reference.moe_permute,
     "moe_unpermute": reference.moe_unpermute,
+    "moe_expert_mlp": reference.moe_expert_mlp,
     "adamw": reference.adamw,
 }
 
