@@ -60,14 +60,13 @@ def parser() -> argparse.ArgumentParser:
     )
     c.add_argument("run_dir", help="a run directory of `train` (its newest checkpoint is converted)")
     c.add_argument("out", help="a new (or empty) directory")
-    c.add_argument(
-        "--weights",
-        choices=["auto", "ema", "trained"],
-        default="auto",
-        help="auto: the EMA where the run kept one (train.ema_decay), else the trained weights",
-    )
-    for sp in (s, e):
-        sp.add_argument("--weights", choices=["auto", "ema", "trained"], default="auto", help="auto: the EMA where the run kept one")
+    for sp in (s, e, c):
+        sp.add_argument(
+            "--weights",
+            choices=["auto", "ema", "trained"],
+            default="auto",
+            help="auto: the EMA where the run kept one (train.ema_decay), else the trained weights",
+        )
     return p
 
 

@@ -41,21 +41,24 @@ def assistant_spans(
         index = index[-1:]
     spans = []
     for i in index:
-        base = render(messages[:i], False) if i else ""
         upto = render(messages[: i + 1], False)
-        if not (upto.startswith(base) and full.startswith(upto)):
+        if not full.startswith(upto):
             raise NotPrefixStable(i)
-        spans += _without_block(upto, _turn_start(render, messages, i, base, upto), len(upto), exclude)
+        spans += _without_block(upto, _turn_start(render, messages, i, upto), len(upto), exclude)
     return full, spans
 
 
-def _turn_start(render, messages: list[dict], i: int, base: str, upto: str) -> int:
+def _turn_start(render, messages: list[dict], i: int, upto: str) -> int:
     """Where assistant turn i's own text starts in `upto`: after the generation prompt, or, where
     that prompt prefills what the turn does not start with, after the header the turn shares with
-    any other assistant turn in its place (two probe turns that differ from their first character)."""
+    any other assistant turn in its place (two probe turns that differ from their first character);
+    NotPrefixStable where even the conversation before the turn is not a prefix of `upto`."""
     head = render(messages[:i], True)
     if upto.startswith(head):
         return len(head)
+    base = render(messages[:i], False) if i else ""
+    if not upto.startswith(base):
+        raise NotPrefixStable(i)
     start = len(os.path.commonprefix([head, upto]))
     probes = [render(messages[:i] + [{"role": "assistant", "content": c}], False) for c in ("\x01", "\x02")]
     return max(len(base), min(start, len(os.path.commonprefix(probes))))

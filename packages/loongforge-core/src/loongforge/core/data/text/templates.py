@@ -33,14 +33,17 @@ _BUILTIN_KWARGS = {"llama3.2": {"date_string": "26 Jul 2024"}}
 _ARGUMENTS_AS_TEXT = {"deepseek_v3"}  # its template concatenates a tool call's arguments as a string
 
 
+_ASSETS = resources.files("loongforge.core.data.text").joinpath("assets", "chat_templates")
+BUILTIN_TEMPLATES = {name: _ASSETS.joinpath(f"{name}.jinja").read_text() for name in BUILTIN_NAMES}
+
+
 def builtin_template(name: str) -> str:
     """The text of the built-in template `name` (a UserError naming the built-ins otherwise)."""
-    if name not in BUILTIN_NAMES:
+    if name not in BUILTIN_TEMPLATES:
         raise UserError(f"unknown chat template {name!r}; built-in: {', '.join(BUILTIN_NAMES)}")
-    return resources.files("loongforge.core.data.text").joinpath("assets", "chat_templates", f"{name}.jinja").read_text()
+    return BUILTIN_TEMPLATES[name]
 
 
-BUILTIN_TEMPLATES = {name: builtin_template(name) for name in BUILTIN_NAMES}
 THINK = ("<think>", "</think>")
 
 IGNORE = -100
