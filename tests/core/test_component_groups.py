@@ -114,7 +114,7 @@ def _encoder(ctx):
             self.proj = ColumnParallelLinear(
                 PATCH, cfg.hidden_size, config=tc, init_method=tc.init_method, bias=False, gather_output=True, tp_group=ctx.tp_group
             )
-            self.block = TransformerBlock(tc, block_spec(cfg, OpTable(), cfg.num_layers, ctx.tp_group), pg_collection=ctx.pg_collection())
+            self.block = TransformerBlock(tc, block_spec(cfg, OpTable(), cfg.num_layers, ctx), pg_collection=ctx.pg_collection())
 
         def forward(self, patches):  # [image tokens, batch, PATCH] -> [image tokens, batch, hidden]
             return self.block(self.proj(patches)[0], None)

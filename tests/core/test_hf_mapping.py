@@ -42,9 +42,38 @@ def test_rows_repeat_over_every_placeholder_and_round_trip():
     assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
 
 
+@dataclass
+class LayersOnly:
+    num_layers: int = 2
+
+    def repeats(self):
+        return {"i": self.num_layers}
+
+
 def test_a_placeholder_without_a_count_is_named():
     with pytest.raises(ValueError, match=r"\{e\}"):
-        hf_to_lf(TABLE, {}, ModelConfig())
+        hf_to_lf(TABLE, {}, LayersOnly())
+    with pytest.raises(ValueError, match=r"\{e\}"):
+        hf_to_lf(STACKED, {}, LayersOnly())
+
+
+# one LoongForge tensor of all a layer's experts from HF's one tensor per expert
+STACKED = (Row("layers.{i}.experts.fc1", ("model.layers.{i}.experts.{e}.gate.weight", "model.layers.{i}.experts.{e}.up.weight"), "concat"),)
+
+
+def test_a_placeholder_only_hf_names_hold_stacks_along_dim_0_and_round_trips():
+    cfg = ExpertConfig()
+    hf = {f"model.layers.{i}.experts.{e}.{n}.weight": torch.randn(2, 5) for i in range(2) for e in range(3) for n in ("gate", "up")}
+    lf = hf_to_lf(STACKED, hf, cfg)
+    assert sorted(lf) == ["layers.0.experts.fc1", "layers.1.experts.fc1"] and lf["layers.1.experts.fc1"].shape == (3, 4, 5)
+    # expert 2 of layer 1: its gate rows, then its up rows
+    want = torch.cat([hf["model.layers.1.experts.2.gate.weight"], hf["model.layers.1.experts.2.up.weight"]])
+    assert torch.equal(lf["layers.1.experts.fc1"][2], want)
+    back = lf_to_hf(STACKED, lf, cfg)
+    assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    del hf["model.layers.0.experts.1.up.weight"]
+    with pytest.raises(UserError, match="experts.1.up.weight"):
+        hf_to_lf(STACKED, hf, cfg)
 
 
 def test_nested_config_section_and_bias_key_from_the_spec(tmp_path):

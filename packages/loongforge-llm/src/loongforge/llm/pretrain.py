@@ -19,7 +19,8 @@ from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf as map_hf_to_lf
 from loongforge.core.foundation.lora import is_adapter_key
-from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
+from loongforge.core.foundation.moe import moe_metrics, routers
+from loongforge.core.foundation.spec import ROUTER_TRAINING_FIELDS, ModelConfig, build_gpt_model, validate_moe
 from loongforge.core.ops import OpTable
 from loongforge.core.outputs import replaced_dir
 from loongforge.core.parallel import on_rank0
@@ -34,15 +35,17 @@ from loongforge.llm.model_io import checkpoint_stack, lf_to_hf, lf_to_peft, mode
 
 
 def resolve_model_config(cfg) -> tuple[ModelConfig, str | None]:
-    """The model config, and where its starting weights come from ('hf', 'lf' or None)."""
+    """The model config, and where its starting weights come from ('hf', 'lf' or None). Loaded
+    weights give the architecture; the router's training options come from the run's config."""
     source, where = weight_source(cfg.checkpoint.load)
+    if source is None:
+        return registry().get("family", cfg.model.family).resolve(cfg.model), None
     if source == "hf":
         fam, mcfg = hf_io.read_hf_config(where, {n: registry().get("family", n) for n in registry().names("family")})
-        return fam.resolve(mcfg), "hf"
-    if source == "lf":
-        return model_config_from_manifest(read_manifest(where)), "lf"
-    fam = registry().get("family", cfg.model.family)
-    return fam.resolve(cfg.model), None
+        mcfg = fam.resolve(mcfg)
+    else:
+        mcfg = model_config_from_manifest(read_manifest(where))
+    return dataclasses.replace(mcfg, **{f: getattr(cfg.model, f) for f in ROUTER_TRAINING_FIELDS}), source
 
 
 def validate(cfg, mcfg: ModelConfig, tok) -> None:
@@ -56,6 +59,7 @@ def validate(cfg, mcfg: ModelConfig, tok) -> None:
         raise UserError(
             f"tokenizer has {len(tok)} tokens but model.vocab_size is {mcfg.vocab_size}; raise model.vocab_size or use a matching tokenizer"
         )
+    validate_moe(mcfg, par.expert_model_parallel_size, par.tensor_model_parallel_size)
     if cfg.data.seq_length > mcfg.max_position_embeddings:
         raise UserError(f"data.seq_length={cfg.data.seq_length} exceeds model.max_position_embeddings={mcfg.max_position_embeddings}")
     cfg.lora.validate()
@@ -208,6 +212,7 @@ class CausalLMTask(TrainingTask):
         self.activation_shape = (cfg.data.seq_length, data.micro_batch_rows, mcfg.hidden_size)
         self.trainable_only = self.lora is not None
         self.family = registry().get("family", mcfg.family)
+        self._routers = None  # the model's MoE routers, found at the first loss
 
     def build_model(self):
         if self.megatron:
@@ -229,8 +234,11 @@ class CausalLMTask(TrainingTask):
             )
             if not model.post_process:
                 return out  # a pipeline stage before the last: its activations
-        else:
-            out = model(mb["tokens"], mb["labels"], mb["loss_weights"])
+            weight = mb["loss_weights"].sum()
+            if self._routers is None:
+                self._routers = routers(model)
+            return out, weight, moe_metrics(self._routers, weight)
+        out = model(mb["tokens"], mb["labels"], mb["loss_weights"])
         return out, mb["loss_weights"].sum(), {}
 
     def initial_weights(self, model, optimizer, stack) -> int:

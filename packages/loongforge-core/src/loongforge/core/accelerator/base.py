@@ -8,15 +8,18 @@ code LoongForge runs on the CPU, each by replacing one attribute of one megatron
 patched: `torch.cuda.current_device()` and `torch.cuda.synchronize()` stay torch's.
 - `megatron.core.tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`
   (activation recompute saves and restores the RNG state through them): the CPU generator's.
-- `torch` as seen by `megatron.core.dist_checkpointing.strategies.state_dict_saver` and
-  `.filesystem_async` (`CPU_TORCH_VIEW_MODULES`): a view of torch whose
+- `torch` as seen by the modules in `CPU_TORCH_VIEW_MODULES`: a view of torch whose
   `cuda.current_device()` is the CPU device and whose `cuda.synchronize()` does nothing;
   every other attribute is torch's own. Saving a checkpoint allocates the failure flag it
   broadcasts after writing on `torch.cuda.current_device()` and synchronizes after copying
-  the tensors to write; these two are the only calls into `torch.cuda` that LoongForge's CPU
-  runs make (pretraining, SFT and LoRA, TP=2 and PP=2 on gloo, save, resume with resharding,
-  HF import/export), found by recording every caller in those runs. The view is used whether
-  or not the machine has CUDA: under the cpu accelerator megatron's tensors live on the CPU.
+  the tensors to write (`dist_checkpointing.strategies`); a MoE router moves its weight to
+  `torch.cuda.current_device()` on its first forward (`transformer.moe.router`); expert-parallel
+  token dispatch allocates its gather buffers there (`tensor_parallel.mappings`, and
+  `megatron.core.utils`' global buffer). These are the calls into `torch.cuda` that
+  LoongForge's CPU runs make (pretraining, SFT and LoRA, TP=2 and PP=2 on gloo, MoE with EP=2,
+  save, resume with resharding, HF import/export), found by recording every caller in those
+  runs. The view is used whether or not the machine has CUDA: under the cpu accelerator
+  megatron's tensors live on the CPU.
 Everything else LoongForge calls in megatron-core is device-agnostic as used (CPU weight init,
 our own data-parallel sync and pipeline schedule instead of megatron DDP/schedules).
 """
@@ -112,6 +115,9 @@ class _CPUTorch:
 CPU_TORCH_VIEW_MODULES = (
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.utils",
 )
 
 

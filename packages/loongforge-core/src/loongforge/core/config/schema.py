@@ -29,6 +29,7 @@ class ParallelConfig:
     stack: str = "megatron"  # megatron (megatron-core models: TP, PP, DP) | torch (the HF model as-is: DDP, ZeRO-1, FSDP2, HSDP)
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1  # megatron stack, MoE models: ranks that split each layer's experts (EP)
     data_parallel_mode: str = "ddp"  # torch stack: ddp | zero1 (sharded optimizer state) | fsdp (fully_shard per block) | hsdp
     data_parallel_replicas: int = 1  # torch stack, hsdp: replica groups of the 2-D mesh (shards = world size / replicas)
     compile: bool = False  # torch stack: torch.compile every block

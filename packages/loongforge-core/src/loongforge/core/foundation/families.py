@@ -1,7 +1,11 @@
-"""The decoder families LoongForge ships. Llama, Qwen2 and Qwen3 share HF's tensor naming, so
-one table serves all three; the specs differ in their defaults (qkv bias, q/k norm)."""
+"""The decoder families LoongForge ships. Llama, Qwen2, Qwen3 and Qwen3-MoE share HF's tensor
+naming, so one set of rows serves all; the specs differ in their defaults (qkv bias, q/k norm)
+and Qwen3-MoE adds its router and experts (HF keeps one tensor per expert, LoongForge one tensor
+of all a layer's experts: the `{e}` rows stack them)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from loongforge.core.foundation.hf_mapping import Row
 from loongforge.core.foundation.spec import FamilySpec
@@ -9,8 +13,8 @@ from loongforge.core.foundation.spec import FamilySpec
 L = "decoder.layers.{i}."
 H = "model.layers.{i}."
 
-LLAMA_STYLE_TABLE = (
-    Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+# each layer's attention and norms
+ATTENTION_ROWS = (
     Row(L + "input_layernorm.weight", (H + "input_layernorm.weight",)),
     Row(
         L + "self_attention.linear_qkv.weight",
@@ -27,11 +31,25 @@ LLAMA_STYLE_TABLE = (
     Row(L + "self_attention.k_layernorm.weight", (H + "self_attn.k_norm.weight",), optional=True),
     Row(L + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",)),
     Row(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",)),
+)
+DENSE_MLP_ROWS = (
     Row(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "concat"),
     Row(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",)),
+)
+MOE_ROWS = (
+    Row(L + "mlp.router.weight", (H + "mlp.gate.weight",)),
+    Row(L + "mlp.experts.fc1", (H + "mlp.experts.{e}.gate_proj.weight", H + "mlp.experts.{e}.up_proj.weight"), "concat"),
+    Row(L + "mlp.experts.fc2", (H + "mlp.experts.{e}.down_proj.weight",)),
+)
+EMBEDDING_ROW = Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))
+OUTPUT_ROWS = (
     Row("decoder.final_layernorm.weight", ("model.norm.weight",)),
     Row("output_layer.weight", ("lm_head.weight",), optional=True),
 )
+
+LLAMA_STYLE_TABLE = (EMBEDDING_ROW, *ATTENTION_ROWS, *DENSE_MLP_ROWS, *OUTPUT_ROWS)
+# each layer holds either a dense MLP or a router and experts (decoder_sparse_step, mlp_only_layers)
+QWEN_MOE_TABLE = (EMBEDDING_ROW, *ATTENTION_ROWS, *(dataclasses.replace(r, optional=True) for r in DENSE_MLP_ROWS + MOE_ROWS), *OUTPUT_ROWS)
 
 LLAMA = FamilySpec(
     "llama", "llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False, mapping=LLAMA_STYLE_TABLE, hf_extra_config=(("mlp_bias", False),)
@@ -39,4 +57,46 @@ LLAMA = FamilySpec(
 QWEN2 = FamilySpec("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, mapping=LLAMA_STYLE_TABLE, hf_qkv_bias_key=None)
 QWEN3 = FamilySpec("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, mapping=LLAMA_STYLE_TABLE)
 
-FAMILIES = (LLAMA, QWEN2, QWEN3)
+# HF config keys every strict family accepts without reading them: metadata and inference options
+HF_METADATA_KEYS = (
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "use_cache",
+    "output_router_logits",
+    ("hidden_act", "silu"),
+    ("attention_dropout", 0.0),
+)
+
+QWEN3_MOE = FamilySpec(
+    "qwen3_moe",
+    "qwen3_moe",
+    "Qwen3MoeForCausalLM",
+    qkv_bias=False,
+    qk_norm=True,
+    mapping=QWEN_MOE_TABLE,
+    hf_fields=(
+        ("num_experts|num_local_experts", "num_experts"),
+        ("num_experts_per_tok", "moe_top_k"),
+        ("moe_intermediate_size", "moe_ffn_hidden_size"),
+        ("norm_topk_prob", "moe_norm_topk_prob"),
+        ("decoder_sparse_step", "moe_layer_step"),
+        ("mlp_only_layers", "moe_dense_layers"),
+    ),
+    # router_aux_loss_coef: a training option (model.moe_aux_loss_coeff of the run config)
+    hf_other_keys=(
+        *HF_METADATA_KEYS,
+        "router_aux_loss_coef",
+        ("use_sliding_window", False),
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
+    ),
+)
+
+FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE)

@@ -41,6 +41,7 @@ def read_hf_config(hf_dir, families: dict[str, FamilySpec], section: str | None 
     partial = rope.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
     heads = c["num_attention_heads"]
+    check_hf_keys(c, fam, hf_dir)
     cfg = ModelConfig(
         family=fam.name,
         num_layers=c["num_hidden_layers"],
@@ -59,8 +60,50 @@ def read_hf_config(hf_dir, families: dict[str, FamilySpec], section: str | None 
         qkv_bias=bool(c.get(fam.hf_qkv_bias_key, fam.qkv_bias)) if fam.hf_qkv_bias_key else fam.qkv_bias,
         qk_norm=fam.qk_norm,
         init_std=c.get("initializer_range", 0.02),
+        **{field: c[k] for keys, field in fam.hf_fields for k in reversed(keys.split("|")) if k in c},
     )
     return fam, cfg
+
+
+# the keys `read_hf_config` reads for every family
+COMMON_HF_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "max_position_embeddings",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "partial_rotary_factor",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "initializer_range",
+)
+
+
+def check_hf_keys(c: dict, fam: FamilySpec, hf_dir) -> None:
+    """For a family with `hf_other_keys`: every key of the HF config is one LoongForge reads or
+    knows to be harmless; a feature it does not implement is named, never silently ignored."""
+    if fam.hf_other_keys is None:
+        return
+    known = set(COMMON_HF_KEYS) | {k for keys, _ in fam.hf_fields for k in keys.split("|")}
+    if fam.hf_qkv_bias_key:
+        known.add(fam.hf_qkv_bias_key)
+    required = {}
+    for item in fam.hf_other_keys:
+        key, value = item if isinstance(item, tuple) else (item, None)
+        known.add(key)
+        if isinstance(item, tuple):
+            required[key] = value
+    for key, value in c.items():
+        if key not in known:
+            raise UserError(f"{hf_dir}: config.json field {key!r} is not implemented for the {fam.name} family (it would be ignored)")
+        if key in required and value != required[key] and value is not None:
+            raise UserError(f"{hf_dir}: config.json {key}={value!r} is not implemented for the {fam.name} family (only {required[key]!r})")
 
 
 def hf_config_dict(fam: FamilySpec, cfg: ModelConfig, dtype: torch.dtype, extra: dict | None = None) -> dict:
@@ -90,6 +133,7 @@ def hf_config_dict(fam: FamilySpec, cfg: ModelConfig, dtype: torch.dtype, extra:
     }
     if fam.hf_qkv_bias_key:
         d[fam.hf_qkv_bias_key] = bool(cfg.qkv_bias)
+    d.update({keys.split("|")[0]: getattr(cfg, field) for keys, field in fam.hf_fields})
     return {**d, **dict(fam.hf_extra_config), **(extra or {})}
 
 

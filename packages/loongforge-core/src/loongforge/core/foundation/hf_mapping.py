@@ -60,18 +60,34 @@ def repeats(cfg) -> dict[str, int]:
     return cfg.repeats() if hasattr(cfg, "repeats") else {"i": cfg.num_layers}
 
 
+def _placeholders(name: str) -> list[str]:
+    return sorted({f for _, f, _, _ in string.Formatter().parse(name) if f})
+
+
+def _fill(name: str, values: dict[str, int]) -> str:
+    """`name` with the given placeholders filled in (others stay as they are)."""
+    for k, v in values.items():
+        name = name.replace(f"{{{k}}}", str(v))
+    return name
+
+
 def _expand(row: Row, counts: dict[str, int]):
-    """Every (LoongForge name, HF names) of a row, over the product of its placeholders' ranges."""
-    names = sorted({f for _, f, _, _ in string.Formatter().parse(row.lf) if f})
-    if not names:
-        yield row.lf, row.hf
-        return
-    missing = [n for n in names if n not in counts]
+    """Every (LoongForge name, [HF names of each stacked slice]) of a row, over the product of the
+    LoongForge name's placeholders' ranges. A placeholder only the HF names hold (`{e}` of the
+    per-expert HF tensors beside a LoongForge tensor of all experts) is a stacked axis: the
+    LoongForge tensor stacks one slice per value along dim 0; a row without one has one slice."""
+    names = _placeholders(row.lf)
+    stacked = sorted({p for h in row.hf for p in _placeholders(h)} - set(names))
+    missing = [n for n in names + stacked if n not in counts]
     if missing:
         raise ValueError(f"mapping row {row.lf!r}: no repeat count for {{{missing[0]}}} (config repeats: {sorted(counts)})")
+    if len(stacked) > 1:
+        raise ValueError(f"mapping row {row.lf!r}: more than one stacked placeholder ({stacked})")
     for values in itertools.product(*(range(counts[n]) for n in names)):
         fill = dict(zip(names, values))
-        yield row.lf.format(**fill), tuple(h.format(**fill) for h in row.hf)
+        hf = tuple(_fill(h, fill) for h in row.hf)
+        slices = [tuple(_fill(h, {stacked[0]: j}) for h in hf) for j in range(counts[stacked[0]])] if stacked else [hf]
+        yield _fill(row.lf, fill), slices, bool(stacked)
 
 
 def hf_to_lf(table, hf_state: dict, cfg) -> dict:
@@ -79,20 +95,17 @@ def hf_to_lf(table, hf_state: dict, cfg) -> dict:
     out = {}
     used = set()
     for row in table:
-        for lf_name, hf_names in _expand(row, repeats(cfg)):
-            missing = [h for h in hf_names if h not in hf_state]
+        for lf_name, slices, stacked in _expand(row, repeats(cfg)):
+            missing = [h for hf_names in slices for h in hf_names if h not in hf_state]
             if missing:
                 if row.optional:
                     continue
                 raise UserError(f"HF checkpoint lacks tensor {missing[0]!r} (needed for {lf_name})")
-            ts = [hf_state[h] for h in hf_names]
-            used.update(hf_names)
-            if row.transform == "qkv":
-                t = _qkv_fuse(*ts, groups=cfg.num_query_groups)
-            elif row.transform == "concat":
-                t = torch.cat(ts, dim=0)
-            else:
-                (t,) = ts
+            parts = []
+            for hf_names in slices:
+                used.update(hf_names)
+                parts.append(_fuse(row, [hf_state[h] for h in hf_names], cfg))
+            t = torch.stack(parts) if stacked else parts[0]
             out[lf_name] = t.detach().clone().contiguous()
     unused = [k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq")]
     if getattr(cfg, "tie_word_embeddings", False):
@@ -102,17 +115,29 @@ def hf_to_lf(table, hf_state: dict, cfg) -> dict:
     return out
 
 
+def _fuse(row: Row, ts: list, cfg) -> torch.Tensor:
+    """A row's HF parts -> its LoongForge tensor (one slice of it, for a stacked row)."""
+    if row.transform == "qkv":
+        return _qkv_fuse(*ts, groups=cfg.num_query_groups)
+    if row.transform == "concat":
+        return torch.cat(ts, dim=0)
+    (t,) = ts
+    return t
+
+
 def lf_to_hf(table, lf_state: dict, cfg) -> dict:
     """LoongForge TP=1 state dict -> HF state dict."""
     out = {}
     for row in table:
-        for lf_name, hf_names in _expand(row, repeats(cfg)):
+        for lf_name, slices, stacked in _expand(row, repeats(cfg)):
             if lf_name not in lf_state:
                 if row.optional:
                     continue
                 raise UserError(f"checkpoint lacks tensor {lf_name!r}")
-            for h, p in zip(hf_names, _split(row, lf_state[lf_name], cfg)):
-                out[h] = p.detach().clone().contiguous()
+            t = lf_state[lf_name]
+            for hf_names, part in zip(slices, t.unbind(0) if stacked else (t,)):
+                for h, p in zip(hf_names, _split(row, part, cfg)):
+                    out[h] = p.detach().clone().contiguous()
     return out
 
 
@@ -133,12 +158,12 @@ def lora_to_peft(table, lf_state: dict, cfg) -> tuple[dict, list[str]]:
     for row in table:
         if not row.lf.endswith(".weight"):
             continue
-        for lf_name, hf_names in _expand(row, repeats(cfg)):
+        for lf_name, slices, stacked in _expand(row, repeats(cfg)):
             base = lf_name.removesuffix("weight")
-            if base + "lora_a" not in lf_state:
+            if stacked or base + "lora_a" not in lf_state:  # (experts carry no adapters)
                 continue
             a = lf_state[base + "lora_a"]
-            for h, b in zip(hf_names, _split(row, lf_state[base + "lora_b"], cfg)):
+            for h, b in zip(slices[0], _split(row, lf_state[base + "lora_b"], cfg)):
                 mod = h.removesuffix(".weight")
                 out[f"base_model.model.{mod}.lora_A.weight"] = a.detach().clone().contiguous()
                 out[f"base_model.model.{mod}.lora_B.weight"] = b.detach().clone().contiguous()

@@ -212,7 +212,6 @@ def fused_residual_layer_class():
                 and isinstance(self.pre_cross_attn_layernorm, IdentityOp)
                 and not (self.recompute_input_layernorm or self.recompute_pre_mlp_layernorm or self.recompute_mlp)
                 and not (self.offload_attn_norm or self.offload_mlp_norm)
-                and not getattr(self, "is_moe_layer", False)
             )
 
         def forward(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +36,30 @@ class ModelConfig:
     qkv_bias: Optional[bool] = None  # None: the family's default
     qk_norm: Optional[bool] = None  # None: the family's default
     init_std: float = 0.02
+    # mixture of experts (num_experts = 0: every layer dense)
+    num_experts: int = 0  # routed experts of each MoE layer
+    moe_ffn_hidden_size: Optional[int] = None  # one expert's FFN width (None: ffn_hidden_size)
+    moe_top_k: int = 2  # experts per token
+    moe_norm_topk_prob: bool = True  # top-k probabilities renormalized to sum to 1 (false: the softmax over all experts)
+    moe_layer_step: int = 1  # every moe_layer_step-th layer is MoE (HF decoder_sparse_step)
+    moe_dense_layers: List[int] = field(default_factory=list)  # layers kept dense (HF mlp_only_layers)
+    moe_aux_loss_type: str = "aux_loss"  # aux_loss (over each micro-batch) | seq_aux_loss (per sequence) | none
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight
+    moe_z_loss_coeff: float = 0.0  # router z-loss weight
+    moe_capacity_factor: Optional[float] = None  # None: dropless; > 0: tokens over capacity * tokens/experts are dropped
 
     def repeats(self) -> dict[str, int]:
-        """Placeholder counts of the family's mapping rows (`{i}`: decoder layers)."""
-        return {"i": self.num_layers}
+        """Placeholder counts of the family's mapping rows (`{i}`: decoder layers, `{e}`: experts)."""
+        return {"i": self.num_layers, "e": self.num_experts}
+
+    def layer_kind(self, i: int) -> str:
+        """'moe' or 'dense': what the MLP of decoder layer `i` (0-based) is."""
+        moe = self.num_experts > 0 and i not in self.moe_dense_layers and (i + 1) % self.moe_layer_step == 0
+        return "moe" if moe else "dense"
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def kv_channels(self) -> int:
@@ -47,20 +67,35 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count (embedding and output counted once if tied)."""
+        return self._count(self.num_experts)
+
+    def num_active_params(self) -> int:
+        """Parameters one token computes with: the router and its top-k experts of each MoE layer."""
+        return self._count(self.moe_top_k)
+
+    def _count(self, experts_used: int) -> int:
         h, f, v, d = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.kv_channels
         nq, nkv = self.num_attention_heads, self.num_query_groups or self.num_attention_heads
-        attn = h * d * (nq + 2 * nkv) + nq * d * h
-        per_layer = attn + 3 * h * f + 2 * h
+        attn = h * d * (nq + 2 * nkv) + nq * d * h + (2 * d if self.qk_norm else 0) + ((nq + 2 * nkv) * d if self.qkv_bias else 0)
+        total = 0
+        for i in range(self.num_layers):
+            mlp = self.num_experts * h + experts_used * 3 * h * self.expert_ffn if self.layer_kind(i) == "moe" else 3 * h * f
+            total += attn + mlp + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        return total + emb + h
 
     def flops_per_token(self, seq: int, frozen_weights: bool = False) -> float:
-        """Training FLOPs per token, forward + backward, no recompute: 6 * params (all of them,
-        embeddings included) + causal-agnostic attention 12 * layers * (heads * head_dim) * seq.
-        The convention of the benchmarks in docs/benchmarks.md.
+        """Training FLOPs per token, forward + backward, no recompute: 6 * active params (all of
+        them for a dense model, embeddings included) + causal-agnostic attention 12 * layers *
+        (heads * head_dim) * seq. The convention of the benchmarks in docs/benchmarks.md.
         `frozen_weights` (LoRA): no weight gradients, 4 * params (adapters not counted)."""
         per_param = 4.0 if frozen_weights else 6.0
-        return per_param * self.num_params() + 12.0 * self.num_layers * self.num_attention_heads * self.kv_channels * seq
+        return per_param * self.num_active_params() + 12.0 * self.num_layers * self.num_attention_heads * self.kv_channels * seq
+
+
+# The router's training options: a run takes them from its own `model` section whatever its
+# starting weights (an HF or LoongForge checkpoint gives the architecture, not how to train it).
+ROUTER_TRAINING_FIELDS = ("moe_aux_loss_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor")
 
 
 @dataclass(frozen=True)
@@ -76,6 +111,13 @@ class FamilySpec:
     # the HF config key that switches the q/k/v bias (None: the family always has its default)
     hf_qkv_bias_key: Optional[str] = "attention_bias"
     hf_extra_config: tuple = ()  # (key, value) pairs the family's HF config.json carries besides the shape
+    # (HF config key, ModelConfig field) pairs the family reads and writes besides the common shape
+    # (the MoE options of a MoE family); an HF key may have older spellings: "key|older_key"
+    hf_fields: tuple = ()
+    # None: HF config keys beyond those LoongForge reads are ignored (the dense families); a tuple:
+    # the only other keys a config may hold (named in an error otherwise), each as "key" (any
+    # value) or ("key", value) (a feature LoongForge does not implement unless it has this value)
+    hf_other_keys: Optional[tuple] = None
 
     def resolve(self, cfg: ModelConfig) -> ModelConfig:
         """Fill the options the config leaves to the family."""
@@ -87,7 +129,7 @@ class FamilySpec:
         )
 
 
-def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.dtype, recompute: bool):
+def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.dtype, recompute: bool, ep: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = dict(
@@ -121,14 +163,39 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.d
     )
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if cfg.num_experts:
+        kw.update(
+            num_moe_experts=cfg.num_experts,
+            moe_ffn_hidden_size=cfg.expert_ffn,
+            moe_router_topk=cfg.moe_top_k,
+            # megatron's pre-softmax routing keeps the softmax-over-all probabilities of the top k;
+            # without it, the softmax over the top-k logits: the renormalized top-k probabilities
+            moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type=cfg.moe_aux_loss_type,
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff if cfg.moe_aux_loss_type != "none" else 0.0,
+            moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
+            moe_expert_capacity_factor=cfg.moe_capacity_factor,
+            moe_token_dispatcher_type="allgather",
+            moe_layer_freq=[int(cfg.layer_kind(i) == "moe") for i in range(cfg.num_layers)],
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1,
+            # the trainer normalizes by the global loss weight: aux losses enter backward times
+            # their micro-batch's token count (foundation/moe.py)
+            calculate_per_token_loss=True,
+        )
     return TransformerConfig(**kw)
 
 
-def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, lora=None, first_layer: int = 0):
+def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, ctx, lora=None, first_layer: int = 0):
     """megatron-core block spec for one pipeline stage of `num_layers` layers (global indices
-    from `first_layer`): megatron's parallel linears, attention block and MLP block; every norm
-    (the final one too), the rotary attention core and the SwiGLU activation compute through the
-    op table. Linears that `lora` (a LoRAConfig) targets get their LoRA class."""
+    from `first_layer`) on the process groups of `ctx` (a ParallelContext): megatron's parallel
+    linears, attention block and MLP or MoE block; every norm (the final one too), the rotary
+    attention core, the SwiGLU activation and the experts compute through the op table. Linears
+    that `lora` (a LoRAConfig) targets get their LoRA class."""
     from loongforge.core.foundation.layers import (
         RMSNorm,
         RotarySDPAttention,
@@ -152,6 +219,30 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
     norm = ModuleSpec(module=RMSNorm, params={"ops": ops})
     qk_norm = norm if cfg.qk_norm else IdentityOp
 
+    def dense_mlp(linear):
+        return ModuleSpec(
+            module=swiglu_mlp_class(),
+            # megatron passes its TP group only to modules that are exactly its MLP class
+            params={"ops": ops, "tp_group": ctx.tp_group},
+            submodules=MLPSubmodules(
+                linear_fc1=linear("mlp.linear_fc1", ColumnParallelLinear), linear_fc2=linear("mlp.linear_fc2", RowParallelLinear)
+            ),
+        )
+
+    moe = None
+    if cfg.num_experts:
+        from loongforge.core.foundation.moe import ensure_router_without_te, grouped_experts_class, moe_layer_class, router_class
+        from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+        ensure_router_without_te()
+        experts = ModuleSpec(module=grouped_experts_class(), params={"ops": ops})
+        # (megatron passes its groups only to modules that are exactly its MoELayer class)
+        moe = ModuleSpec(
+            module=moe_layer_class(),
+            params={"ops": ops, "pg_collection": ctx.pg_collection()},
+            submodules=MoESubmodules(experts=experts, router=router_class()),
+        )
+
     def layer(i: int):
         def linear(name, base):
             return linear_spec(lora, f"decoder.layers.{i}.{name}", base)
@@ -174,14 +265,7 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, tp_group=None, l
                 ),
                 self_attn_bda=get_bias_dropout_add,
                 pre_mlp_layernorm=norm,
-                mlp=ModuleSpec(
-                    module=swiglu_mlp_class(),
-                    # megatron passes its TP group only to modules that are exactly its MLP class
-                    params={"ops": ops, "tp_group": tp_group},
-                    submodules=MLPSubmodules(
-                        linear_fc1=linear("mlp.linear_fc1", ColumnParallelLinear), linear_fc2=linear("mlp.linear_fc2", RowParallelLinear)
-                    ),
-                ),
+                mlp=moe if cfg.layer_kind(i) == "moe" else dense_mlp(linear),
                 mlp_bda=get_bias_dropout_add,
             ),
         )
@@ -222,6 +306,42 @@ def gpt_model_class():
     return LossWeightedGPTModel
 
 
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "none")
+
+
+def validate_moe(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> None:
+    """The MoE options against each other and the layout: one UserError naming the key."""
+    if not cfg.num_experts:
+        if ep > 1:
+            raise UserError(f"parallel.expert_model_parallel_size={ep} needs a MoE model (model.num_experts > 0); set it to 1")
+        return
+    if cfg.num_experts < 0:
+        raise UserError(f"model.num_experts={cfg.num_experts} must be at least 0 (0: a dense model)")
+    if not 1 <= cfg.moe_top_k <= cfg.num_experts:
+        raise UserError(f"model.moe_top_k={cfg.moe_top_k} must be between 1 and model.num_experts={cfg.num_experts}")
+    if cfg.num_experts % ep:
+        raise UserError(
+            f"parallel.expert_model_parallel_size={ep} does not divide model.num_experts={cfg.num_experts}; choose a divisor of {cfg.num_experts}"
+        )
+    if tp > 1:
+        raise UserError(
+            f"parallel.tensor_model_parallel_size={tp}: MoE models run at tensor_model_parallel_size=1 for now "
+            "(split the experts with parallel.expert_model_parallel_size)"
+        )
+    if cfg.moe_layer_step < 1:
+        raise UserError(f"model.moe_layer_step={cfg.moe_layer_step} must be at least 1")
+    bad = [i for i in cfg.moe_dense_layers if not 0 <= i < cfg.num_layers]
+    if bad:
+        raise UserError(f"model.moe_dense_layers: layer {bad[0]} does not exist (layers are 0..{cfg.num_layers - 1})")
+    if cfg.moe_aux_loss_type not in AUX_LOSS_TYPES:
+        raise UserError(f"model.moe_aux_loss_type={cfg.moe_aux_loss_type!r}: choose one of {', '.join(AUX_LOSS_TYPES)}")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if not getattr(cfg, name) >= 0:
+            raise UserError(f"model.{name}={getattr(cfg, name)} must be at least 0")
+    if cfg.moe_capacity_factor is not None and not cfg.moe_capacity_factor > 0:
+        raise UserError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} must be > 0 (or null: dropless)")
+
+
 def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dtype=torch.float32, recompute: bool = False, lora=None):
     """Build this rank's pipeline stage of the model on the CPU (megatron's CPU init makes the
     weights independent of the TP layout); the caller moves it to the device. With `lora` (an
@@ -231,11 +351,12 @@ def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dt
     for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups)):
         if n % ctx.tp_size:
             raise UserError(f"model.{name}={n} must be divisible by tensor_model_parallel_size={ctx.tp_size}")
+    validate_moe(cfg, ctx.ep_size, ctx.tp_size)
     ops = ops or OpTable()
     per_stage = cfg.num_layers // ctx.pp_size
     model = gpt_model_class()(
-        config=transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute),
-        transformer_layer_spec=block_spec(cfg, ops, per_stage, ctx.tp_group, lora, ctx.pp_rank * per_stage),
+        config=transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute, ctx.ep_size),
+        transformer_layer_spec=block_spec(cfg, ops, per_stage, ctx, lora, ctx.pp_rank * per_stage),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=ctx.is_first_stage,

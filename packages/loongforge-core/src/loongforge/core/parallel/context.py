@@ -44,10 +44,39 @@ class ParallelContext:
     embedding_group: object  # first and last pipeline stage (tied embeddings); None at PP=1 and on middle stages
     cp_group: object = None  # this rank alone: LoongForge runs no context parallelism
     pos_embedding_group: object = None  # first pipeline stage; None at PP=1 and on other stages
+    # expert parallelism (MoE layers; experts are never tensor-parallel): None without it
+    ep_group: object = None  # ranks that split one layer's experts
+    expt_dp_group: object = None  # ranks holding the same experts (their gradients are averaged over it)
+    expt_mp_group: object = None  # expert x pipeline ranks: the expert gradients' share of the global norm
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.ep_group is None else dist.get_world_size(self.ep_group)
+
+    @property
+    def expert_dp_group(self):
+        """The ranks whose expert gradients are reduced together (the data-parallel group without EP)."""
+        return self.dp_group if self.ep_group is None else self.expt_dp_group
+
+    @property
+    def expert_mp_group(self):
+        """The ranks an expert gradient norm sums over (the model-parallel group without EP)."""
+        return self.mp_group if self.ep_group is None else self.expt_mp_group
 
     @classmethod
     def from_groups(
-        cls, tp_group, pp_group, dp_group, *, mp_group, cp_group, embedding_group=None, pos_embedding_group=None
+        cls,
+        tp_group,
+        pp_group,
+        dp_group,
+        *,
+        mp_group,
+        cp_group,
+        embedding_group=None,
+        pos_embedding_group=None,
+        ep_group=None,
+        expt_dp_group=None,
+        expt_mp_group=None,
     ) -> "ParallelContext":
         """The context of explicit groups (this rank a member of each): sizes and ranks read from them."""
         if dist.get_world_size(cp_group) != 1:
@@ -66,6 +95,9 @@ class ParallelContext:
             embedding_group=embedding_group,
             cp_group=cp_group,
             pos_embedding_group=pos_embedding_group,
+            ep_group=ep_group,
+            expt_dp_group=expt_dp_group,
+            expt_mp_group=expt_mp_group,
         )
 
     @property
@@ -86,16 +118,22 @@ class ParallelContext:
 
     @cached_property
     def _pgs(self):
-        """megatron-core's group collection of this context's groups. With no context and no expert
-        parallelism the CP-, EP- and optimizer-instance variants are the plain groups (cp, ep: this
-        rank alone). What the dense GPTModel path reads: tp, pp, cp, embd (embeddings, attention,
-        MLP, parallel linears, the block's layer offsets); megatron's DDP helpers also take dp,
-        dp_cp, expt_dp, ep, mp, tp_ep_pp. Left unset: hcp (hierarchical CP), tp_dp_cp, and the
-        distributed-optimizer instance groups."""
+        """megatron-core's group collection of this context's groups. With no context parallelism
+        the CP variants are the plain groups (cp: this rank alone); without expert parallelism
+        ep is this rank alone and the expert variants are the dense ones. What the dense GPTModel
+        path reads: tp, pp, cp, embd (embeddings, attention, MLP, parallel linears, the block's
+        layer offsets); MoE layers read ep, expt_tp (this rank alone: experts are never
+        tensor-parallel), tp_ep (the ranks a token dispatcher gathers over: ep, as expert TP is
+        1), expt_dp and tp_dp_cp (the global aux loss's token counts: dp, as MoE runs at TP=1);
+        megatron's DDP helpers also take dp, dp_cp, mp, tp_ep_pp. Left unset: hcp (hierarchical
+        CP), tp_dp_cp at TP > 1, and the distributed-optimizer instance groups."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         tp, dp, mp, one = self.tp_group, self.dp_group, self.mp_group, self.cp_group
+        ep = self.ep_group if self.ep_group is not None else one
+        extra = {"tp_dp_cp": dp} if self.tp_size == 1 else {}
         return ProcessGroupCollection(
+            **extra,
             tp=tp,
             pp=self.pp_group,
             mp=mp,
@@ -106,12 +144,12 @@ class ParallelContext:
             intra_dp_cp=dp,
             embd=self.embedding_group,
             pos_embd=self.pos_embedding_group,
-            ep=one,
-            expt_tp=tp,
-            tp_ep=tp,
-            tp_ep_pp=mp,
-            expt_dp=dp,
-            intra_expt_dp=dp,
+            ep=ep,
+            expt_tp=one if self.ep_group is not None else tp,
+            tp_ep=ep if self.ep_group is not None else tp,
+            tp_ep_pp=self.expt_mp_group if self.ep_group is not None else mp,
+            expt_dp=self.expt_dp_group if self.ep_group is not None else dp,
+            intra_expt_dp=self.expt_dp_group if self.ep_group is not None else dp,
         )
 
     def pg_collection(self):
@@ -123,11 +161,14 @@ class ParallelContext:
             "tensor_model_parallel_size": self.tp_size,
             "pipeline_model_parallel_size": self.pp_size,
             "data_parallel_size": self.dp_size,
+            **({"expert_model_parallel_size": self.ep_size} if self.ep_size > 1 else {}),
         }
 
 
-def init_parallel(tp: int, pp: int, backend: str, device_type: str) -> ParallelContext:
-    """Join (or create, for a single process) the default process group and lay out TP x PP x DP.
+def init_parallel(tp: int, pp: int, backend: str, device_type: str, ep: int = 1) -> ParallelContext:
+    """Join (or create, for a single process) the default process group and lay out TP x PP x DP,
+    and for MoE layers EP x expert-DP over the same ranks (experts are not tensor-parallel: each
+    pipeline stage's world / PP ranks split into EP groups).
 
     Multi-process runs are started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
     """
@@ -138,13 +179,27 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str) -> ParallelC
     world = dist.get_world_size()
     if world % (tp * pp):
         raise UserError(f"world size {world} is not divisible by tensor_model_parallel_size*pipeline_model_parallel_size={tp * pp}")
+    if ep < 1 or world % (ep * pp):
+        raise UserError(
+            f"parallel.expert_model_parallel_size={ep}: expert_model_parallel_size*pipeline_model_parallel_size={ep * pp} "
+            f"does not divide the world size {world}; choose a divisor of {world // pp}"
+        )
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise UserError(f"this process already runs TP={have[0]} PP={have[1]}; cannot build a TP={tp} PP={pp} model in it")
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+        )
+        if have != (tp, pp, ep):
+            raise UserError(
+                f"this process already runs TP={have[0]} PP={have[1]} EP={have[2]}; cannot build a TP={tp} PP={pp} EP={ep} model in it"
+            )
     else:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+        )
     stages = pp > 1
+    experts = ep > 1
     return ParallelContext.from_groups(
         ps.get_tensor_model_parallel_group(),
         ps.get_pipeline_model_parallel_group(),
@@ -153,6 +208,9 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str) -> ParallelC
         cp_group=ps.get_context_parallel_group(),
         embedding_group=ps.get_embedding_group(check_initialized=False) if stages else None,
         pos_embedding_group=ps.get_position_embedding_group(check_initialized=False) if stages else None,
+        ep_group=ps.get_expert_model_parallel_group() if experts else None,
+        expt_dp_group=ps.get_expert_data_parallel_group() if experts else None,
+        expt_mp_group=ps.get_expert_tensor_model_pipeline_parallel_group() if experts else None,
     )
 
 

@@ -21,13 +21,19 @@ def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype):
         from loongforge.core.parallel import init_parallel
         from loongforge.core.stacks.megatron import MegatronStack
 
-        ctx = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, acc.backend, acc.device_type)
+        ctx = init_parallel(
+            par.tensor_model_parallel_size,
+            par.pipeline_model_parallel_size,
+            acc.backend,
+            acc.device_type,
+            ep=par.expert_model_parallel_size,
+        )
         check_batch_sizes(train_cfg, ctx.dp_size)
         return MegatronStack(ctx, acc, params_dtype, train_cfg.master_weights), ctx
-    if par.tensor_model_parallel_size != 1 or par.pipeline_model_parallel_size != 1:
+    if par.tensor_model_parallel_size != 1 or par.pipeline_model_parallel_size != 1 or par.expert_model_parallel_size != 1:
         raise UserError(
-            "parallel.stack=torch has data parallelism only: set tensor_model_parallel_size=1 and "
-            "pipeline_model_parallel_size=1, or use parallel.stack=megatron"
+            "parallel.stack=torch has data parallelism only: set tensor_model_parallel_size=1, "
+            "pipeline_model_parallel_size=1 and expert_model_parallel_size=1, or use parallel.stack=megatron"
         )
     from loongforge.core.parallel.distributed import init_process_group
     from loongforge.core.stacks.torch_native import TorchNativeStack

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from loongforge.core.checkpoint import load_full_state, load_megatron, save_megatron
+from loongforge.core.foundation.moe import is_expert_param, update_expert_biases
 from loongforge.core.stacks.base import Select, TrainStack
 from loongforge.core.stacks.grads import all_reduce_mean, grad_sq_norm, param_groups
 from loongforge.core.train.pipeline import forward_backward
@@ -33,7 +34,8 @@ class MegatronStack(TrainStack):
         self.low: MasterWeights | PureLowPrecision | None = None
         self._metric_names: list = []
         self._trained: list = []
-        self._counted: list = []
+        self._counted: list = []  # parameters in the gradient norm: dense (each counted on one TP rank) ...
+        self._counted_experts: list = []  # ... and routed experts (each on one EP rank)
 
     def prepare(self, model):
         if self.params_dtype != torch.float32 and self.master_weights:
@@ -53,9 +55,9 @@ class MegatronStack(TrainStack):
         self._trained = [p for g in optimizer.param_groups for p in g["params"]]
         # counted once in the global norm: not the second copy of a shared embedding, not a
         # TP-replicated parameter on ranks other than TP rank 0
-        self._counted = [
-            p for p in self._trained if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, self.ctx.tp_group)
-        ]
+        counted = [p for p in self._trained if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, self.ctx.tp_group)]
+        self._counted = [p for p in counted if not is_expert_param(p)]
+        self._counted_experts = [p for p in counted if is_expert_param(p)]
         if self.params_dtype != torch.float32 and not self.master_weights:
             self.low = PureLowPrecision(model, optimizer, self.params_dtype)
         return optimizer
@@ -81,13 +83,26 @@ class MegatronStack(TrainStack):
             for p in self._trained:
                 if getattr(p, "shared_embedding", False) and p.grad is not None:
                     dist.all_reduce(p.grad, group=ctx.embedding_group)
+        grads = [p.grad for p in self._trained if p.grad is not None and not is_expert_param(p)]
+        expert_grads = [p.grad for p in self._trained if p.grad is not None and is_expert_param(p)]
         if ctx.dp_size > 1:
-            all_reduce_mean([p.grad for p in self._trained if p.grad is not None], ctx.dp_group, ctx.dp_size)
+            all_reduce_mean(grads, ctx.dp_group, ctx.dp_size)
+            # a rank's expert gradients already sum over the tokens of its whole EP group (the
+            # dispatcher gathered them): summed over the ranks holding the same experts, they
+            # cover the global batch once; / dp_size makes them the mean the dense ones are
+            all_reduce_mean(expert_grads, ctx.expert_dp_group, ctx.dp_size)
+        update_expert_biases(model, ctx.dp_group)
 
     def grad_sq_norm(self, model, optimizer) -> torch.Tensor:
+        ctx = self.ctx
         sq = grad_sq_norm(self._counted, self.device)
-        if self.ctx.tp_size * self.ctx.pp_size > 1:
-            dist.all_reduce(sq, group=self.ctx.mp_group)
+        if ctx.tp_size * ctx.pp_size > 1:
+            dist.all_reduce(sq, group=ctx.mp_group)
+        if self._counted_experts:  # each expert lives on one rank of its EP group
+            expert_sq = grad_sq_norm(self._counted_experts, self.device)
+            if ctx.ep_size * ctx.pp_size > 1:
+                dist.all_reduce(expert_sq, group=ctx.expert_mp_group)
+            sq = sq + expert_sq
         return sq
 
     def after_step(self, model, optimizer) -> None:

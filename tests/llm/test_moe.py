@@ -1,0 +1,224 @@
+"""Qwen3-MoE: our megatron-core model against HF transformers' Qwen3MoeForCausalLM on tiny random
+configs (logits, greedy tokens, HF -> LF -> HF), training with the router's losses and load
+metrics, EP=2 on 2 gloo processes against EP=1, resume across EP sizes, and bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import FAST, losses, make_hf_model, run_cli
+from loongforge.llm import load_model
+from loongforge.llm.model_io import hf_to_lf, lf_to_hf
+from safetensors.torch import load_file
+
+MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16)
+CASES = {
+    # a dense first layer (mlp_only_layers), renormalized top-k probabilities
+    "normtopk-densefirst": dict(mlp_only_layers=[0], norm_topk_prob=True, num_hidden_layers=3),
+    # every second layer MoE (decoder_sparse_step), the softmax over all experts kept
+    "softmax-sparsestep": dict(decoder_sparse_step=2, norm_topk_prob=False, num_hidden_layers=4, tie_word_embeddings=True),
+}
+
+
+def _spread_router(hf, seed=1):
+    """Router weights large enough that the top-k choice differs from token to token and the
+    probabilities are far from uniform (the HF init std of 0.02 routes almost uniformly)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_model("qwen3_moe", d / "init", **MOE, **CASES[request.param])
+    _spread_router(hf)
+    hf.save_pretrained(str(d / "hf"))
+    return hf, d / "hf", load_model(d / "hf")
+
+
+def test_logits_match_hf(pair):
+    hf, _, ours = pair
+    torch.manual_seed(1)
+    x = torch.randint(0, 512, (2, 48))
+    with torch.no_grad():
+        want, got = hf(x).logits, ours(x)
+    assert got.shape == (2, 48, 512)
+    rel = (got - want).abs().max() / want.abs().max()
+    assert rel < 1e-5, f"max relative difference {rel:.3e}"
+    # negative control: the other renormalization gives other logits
+    other = load_model_with(pair[1], norm_topk_prob=not hf.config.norm_topk_prob)
+    with torch.no_grad():
+        assert (other(x) - want).abs().max() / want.abs().max() > 1e-3
+
+
+def load_model_with(hf_dir, **changes):
+    import tempfile
+
+    tmp = tempfile.mkdtemp()
+    shutil.copytree(hf_dir, f"{tmp}/m")
+    c = json.loads(open(f"{tmp}/m/config.json").read())
+    c.update(changes)
+    open(f"{tmp}/m/config.json", "w").write(json.dumps(c))
+    return load_model(f"{tmp}/m")
+
+
+def test_greedy_generation_matches_hf(pair):
+    hf, _, ours = pair
+    prompt = torch.tensor([[5, 17, 33, 2, 90]])
+    want = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, 8), want)
+
+
+def test_hf_lf_hf_roundtrip_is_bit_identical(pair, tmp_path):
+    _, d, _ = pair
+    hf_to_lf(d, tmp_path / "lf")
+    lf_to_hf(tmp_path / "lf", tmp_path / "back")
+    a, b = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(a) == set(b) and any(".experts.7.down_proj" in k for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    # the exported config names the MoE layout as HF does
+    c = json.loads((tmp_path / "back" / "config.json").read_text())
+    orig = json.loads((d / "config.json").read_text())
+    for key in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+        assert c[key] == orig[key], key
+    assert c["num_experts"] == orig.get("num_experts", orig.get("num_local_experts"))
+
+
+# ---- training ----------------------------------------------------------------------------
+
+STEPS = 4
+ROUTER = ["model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory):
+    """A 3-layer Qwen3-MoE over the tiny tokenizer's vocabulary: a dense first layer, 8 experts, top-2."""
+    d = tmp_path_factory.mktemp("hf_moe")
+    hf = make_hf_model("qwen3_moe", d / "init", **MOE, num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=True)
+    _spread_router(hf)
+    hf.save_pretrained(str(d / "hf"))
+    return d / "hf"
+
+
+def _train(run_dir, hf, *extra, nproc=1, steps=STEPS):
+    args = ["train", "tiny", *FAST, f"train.train_iters={steps}", f"checkpoint.load={hf}", f"checkpoint.run_dir={run_dir}", *ROUTER]
+    r = run_cli([*args, *extra], nproc=nproc)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def single(hf_moe, tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe_single")
+    _train(d, hf_moe, "train.save_interval=2")
+    return d
+
+
+def test_training_logs_router_losses_and_expert_load(single):
+    rows = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    last = rows[-1]
+    for layer in (1, 2):  # layer 0 is dense
+        assert last[f"moe/layer{layer}/load_max_mean"] >= 1.0
+        assert 0.5 < last[f"moe/layer{layer}/load_balancing_loss"] < 8.0  # 1.0 when balanced, E / k at worst
+        assert last[f"moe/layer{layer}/z_loss"] > 0
+    assert "moe/layer0/load_max_mean" not in last
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.slow
+def test_expert_parallel_two_processes_match_one(single, hf_moe, tmp_path):
+    _train(tmp_path, hf_moe, "train.save_interval=2", "parallel.expert_model_parallel_size=2", nproc=2)
+    manifest = json.loads((tmp_path / "checkpoints" / "step_00000004" / "manifest.json").read_text())
+    assert manifest["parallel"]["expert_model_parallel_size"] == 2 and manifest["parallel"]["data_parallel_size"] == 2
+    want, got = losses(single), losses(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    one = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()]
+    assert abs(rows[-1]["grad_norm"] - one[-1]["grad_norm"]) <= 1e-5 * one[-1]["grad_norm"]
+
+
+def _cut_to_step_2(src, dst):
+    """A copy of a finished run as if it had been stopped right after its step-2 checkpoint."""
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "checkpoints" / "step_00000004")
+    (dst / "checkpoints" / "latest").write_text("step_00000002")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_ep,resumed_ep", [(2, 1), (1, 2)])
+def test_resume_at_another_expert_parallel_size(saved_ep, resumed_ep, single, hf_moe, tmp_path):
+    src = single
+    if saved_ep == 2:
+        src = tmp_path / "ep2"
+        _train(src, hf_moe, "train.save_interval=2", "parallel.expert_model_parallel_size=2", nproc=2)
+    d = tmp_path / "resumed"
+    _cut_to_step_2(src, d)
+    r = _train(d, hf_moe, "train.save_interval=2", f"parallel.expert_model_parallel_size={resumed_ep}", nproc=resumed_ep)
+    assert "resumed from" in r.stdout
+    want, got = losses(single), losses(d)
+    for step in (3, 4):
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def _one_line_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-3000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+MOE_TINY = ["model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_size=32", "model.vocab_size=512"]
+
+
+@pytest.mark.parametrize(
+    "extra,nproc,needles",
+    [
+        (["model.moe_top_k=5"], 1, ["model.moe_top_k=5", "model.num_experts=4"]),
+        (["model.num_experts=6", "parallel.expert_model_parallel_size=4"], 1, ["expert_model_parallel_size=4", "world size 1"]),
+        (["model.num_experts=5", "parallel.expert_model_parallel_size=2"], 2, ["expert_model_parallel_size=2", "num_experts=5"]),
+        (["model.moe_aux_loss_type=global"], 1, ["model.moe_aux_loss_type='global'", "aux_loss, seq_aux_loss, none"]),
+        (["model.moe_dense_layers=[7]"], 1, ["model.moe_dense_layers", "layer 7"]),
+        (["model.num_experts=0", "parallel.expert_model_parallel_size=2"], 2, ["needs a MoE model"]),
+        (["parallel.tensor_model_parallel_size=2"], 2, ["tensor_model_parallel_size=2", "expert_model_parallel_size"]),
+    ],
+)
+def test_bad_moe_settings(extra, nproc, needles, tmp_path):
+    r = run_cli(["train", "tiny", *FAST, "train.train_iters=2", f"checkpoint.run_dir={tmp_path / 'run'}", *MOE_TINY, *extra], nproc=nproc)
+    if nproc == 1:
+        _one_line_error(r, *needles)
+    else:  # every rank reports; each line is the same one-line error
+        assert r.returncode != 0
+        errors = {ln for ln in r.stderr.splitlines() if ln.startswith("error: ")}
+        assert len(errors) == 1, r.stderr[-3000:]
+        assert all(n in next(iter(errors)) for n in needles), errors
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    "change,needles",
+    [
+        ({"use_sliding_window": True}, ["use_sliding_window=True", "qwen3_moe"]),
+        ({"shared_expert_intermediate_size": 64}, ["'shared_expert_intermediate_size'", "not implemented"]),
+    ],
+)
+def test_hf_config_features_we_do_not_implement_are_named(change, needles, hf_moe, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(hf_moe, d)
+    c = json.loads((d / "config.json").read_text())
+    c.update(change)
+    (d / "config.json").write_text(json.dumps(c))
+    _one_line_error(run_cli(["convert", "hf-to-lf", str(d), str(tmp_path / "out")]), *needles)
+    assert not (tmp_path / "out").exists()
