@@ -24,7 +24,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-HF_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+HF_CLASSES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "deepseek_v3": "DeepseekV3Config",
+}
 
 
 def make_hf_model(family: str, out: Path, seed: int = 0, **overrides):

@@ -1,6 +1,7 @@
 """Packed-sequence causal attention through torch's flash varlen kernel
 (`torch.nn.attention.varlen.varlen_attn`, CUDA, fp16/bf16): one launch for the whole pack,
-never attending across samples. Other dtypes, devices and torch builds use core's reference."""
+never attending across samples. Other dtypes, devices, torch builds and value head sizes other
+than the query's use core's reference."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def _torch_varlen():
 
 def varlen_attention(q, k, v, cu_seqlens, scale=None, max_seqlen=None):
     fn, params = _torch_varlen()
-    if fn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+    # (the flash kernel takes one head size for queries, keys and values: MLA's differ)
+    if fn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or v.shape[-1] != q.shape[-1]:
         return reference.varlen_attention(q, k, v, cu_seqlens, scale, max_seqlen)
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

@@ -99,4 +99,84 @@ QWEN3_MOE = FamilySpec(
     ),
 )
 
-FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE)
+MLA_ROWS = (
+    Row(L + "input_layernorm.weight", (H + "input_layernorm.weight",)),
+    Row(L + "self_attention.linear_q_proj.weight", (H + "self_attn.q_proj.weight",), optional=True),  # without a query latent
+    Row(L + "self_attention.linear_q_down_proj.weight", (H + "self_attn.q_a_proj.weight",), optional=True),
+    Row(L + "self_attention.q_layernorm.weight", (H + "self_attn.q_a_layernorm.weight",), optional=True),
+    Row(L + "self_attention.linear_q_up_proj.weight", (H + "self_attn.q_b_proj.weight",), optional=True),
+    Row(L + "self_attention.linear_kv_down_proj.weight", (H + "self_attn.kv_a_proj_with_mqa.weight",)),
+    Row(L + "self_attention.kv_layernorm.weight", (H + "self_attn.kv_a_layernorm.weight",)),
+    Row(L + "self_attention.linear_kv_up_proj.weight", (H + "self_attn.kv_b_proj.weight",)),
+    Row(L + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",)),
+    Row(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",)),
+)
+DEEPSEEK_MOE_ROWS = (
+    *MOE_ROWS,
+    Row(L + "mlp.router.expert_bias", (H + "mlp.gate.e_score_correction_bias",)),
+    Row(
+        L + "mlp.shared_experts.linear_fc1.weight",
+        (H + "mlp.shared_experts.gate_proj.weight", H + "mlp.shared_experts.up_proj.weight"),
+        "concat",
+    ),
+    Row(L + "mlp.shared_experts.linear_fc2.weight", (H + "mlp.shared_experts.down_proj.weight",)),
+)
+DEEPSEEK_TABLE = (
+    EMBEDDING_ROW,
+    *MLA_ROWS,
+    *(dataclasses.replace(r, optional=True) for r in DENSE_MLP_ROWS + DEEPSEEK_MOE_ROWS),
+    *OUTPUT_ROWS,
+)
+
+
+def _first_layers(layers: list) -> int:
+    """HF's first_k_dense_replace from a list of dense layers, which must be the first ones."""
+    if list(layers) != list(range(len(layers))):
+        raise ValueError(f"DeepSeek-V3 configs keep the first layers dense: model.moe_dense_layers={layers} is not 0..k-1")
+    return len(layers)
+
+
+DEEPSEEK_V3 = FamilySpec(
+    "deepseek_v3",
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
+    qkv_bias=False,
+    qk_norm=False,
+    mapping=DEEPSEEK_TABLE,
+    hf_qkv_bias_key=None,
+    hf_fields=(
+        ("n_routed_experts|num_local_experts", "num_experts"),
+        ("num_experts_per_tok", "moe_top_k"),
+        ("moe_intermediate_size", "moe_ffn_hidden_size"),
+        ("norm_topk_prob", "moe_norm_topk_prob"),
+        ("first_k_dense_replace", "moe_dense_layers", lambda k: list(range(k)), _first_layers),
+        ("n_group", "moe_groups"),
+        ("topk_group", "moe_group_top_k"),
+        ("routed_scaling_factor", "moe_scaling_factor"),
+        ("n_shared_experts", "moe_shared_experts"),
+        ("q_lora_rank", "q_lora_rank"),
+        ("kv_lora_rank", "kv_lora_rank"),
+        ("qk_nope_head_dim", "qk_nope_head_dim"),
+        ("qk_rope_head_dim", "qk_rope_head_dim"),
+        ("v_head_dim", "v_head_dim"),
+        ("rope_interleave", "rope_interleave"),
+    ),
+    hf_other_keys=(
+        *HF_METADATA_KEYS,
+        ("attention_bias", False),
+        ("pretraining_tp", 1),
+        "qk_head_dim",  # derived: qk_nope_head_dim + qk_rope_head_dim
+        "num_nextn_predict_layers",  # MTP modules: not in HF's model; their weights are not read
+        "num_mtp_layers",
+        ("scoring_func", "sigmoid"),  # older (remote-code) DeepSeek-V3 configs
+        ("topk_method", "noaux_tc"),
+        ("moe_layer_freq", 1),
+        "aux_loss_alpha",
+        "seq_aux",
+        "ep_size",
+    ),
+    moe_score_function="sigmoid",
+    moe_expert_bias=True,
+)
+
+FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3)

@@ -60,9 +60,16 @@ def read_hf_config(hf_dir, families: dict[str, FamilySpec], section: str | None 
         qkv_bias=bool(c.get(fam.hf_qkv_bias_key, fam.qkv_bias)) if fam.hf_qkv_bias_key else fam.qkv_bias,
         qk_norm=fam.qk_norm,
         init_std=c.get("initializer_range", 0.02),
-        **{field: c[k] for keys, field in fam.hf_fields for k in reversed(keys.split("|")) if k in c},
+        **{row[1]: _hf_value(row, c[k], "read") for row in fam.hf_fields for k in reversed(row[0].split("|")) if k in c},
     )
     return fam, cfg
+
+
+def _hf_value(row: tuple, value, direction: str):
+    """A family's `hf_fields` row maps a value as it is, or with its (read, write) functions."""
+    if len(row) == 2:
+        return value
+    return row[2](value) if direction == "read" else row[3](value)
 
 
 # the keys `read_hf_config` reads for every family
@@ -90,7 +97,7 @@ def check_hf_keys(c: dict, fam: FamilySpec, hf_dir) -> None:
     knows to be harmless; a feature it does not implement is named, never silently ignored."""
     if fam.hf_other_keys is None:
         return
-    known = set(COMMON_HF_KEYS) | {k for keys, _ in fam.hf_fields for k in keys.split("|")}
+    known = set(COMMON_HF_KEYS) | {k for row in fam.hf_fields for k in row[0].split("|")}
     if fam.hf_qkv_bias_key:
         known.add(fam.hf_qkv_bias_key)
     required = {}
@@ -133,7 +140,7 @@ def hf_config_dict(fam: FamilySpec, cfg: ModelConfig, dtype: torch.dtype, extra:
     }
     if fam.hf_qkv_bias_key:
         d[fam.hf_qkv_bias_key] = bool(cfg.qkv_bias)
-    d.update({keys.split("|")[0]: getattr(cfg, field) for keys, field in fam.hf_fields})
+    d.update({row[0].split("|")[0]: _hf_value(row, getattr(cfg, row[1]), "write") for row in fam.hf_fields})
     return {**d, **dict(fam.hf_extra_config), **(extra or {})}
 
 

@@ -36,6 +36,13 @@ class ModelConfig:
     qkv_bias: Optional[bool] = None  # None: the family's default
     qk_norm: Optional[bool] = None  # None: the family's default
     init_std: float = 0.02
+    # multi-head latent attention (DeepSeek-V3; kv_lora_rank None: the family's grouped-query attention)
+    kv_lora_rank: Optional[int] = None  # keys and values from a latent of this width (and a shared rotary key)
+    q_lora_rank: Optional[int] = None  # queries through a latent of this width (None: one projection)
+    qk_nope_head_dim: int = 128  # per-head query/key channels without rotary embedding
+    qk_rope_head_dim: int = 64  # per-head query/key channels with rotary embedding
+    v_head_dim: int = 128
+    rope_interleave: bool = True  # rotary pairs are adjacent channels (DeepSeek's weight layout)
     # mixture of experts (num_experts = 0: every layer dense)
     num_experts: int = 0  # routed experts of each MoE layer
     moe_ffn_hidden_size: Optional[int] = None  # one expert's FFN width (None: ffn_hidden_size)
@@ -47,6 +54,13 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight
     moe_z_loss_coeff: float = 0.0  # router z-loss weight
     moe_capacity_factor: Optional[float] = None  # None: dropless; > 0: tokens over capacity * tokens/experts are dropped
+    moe_score_function: Optional[str] = None  # softmax | sigmoid (None: the family's)
+    moe_expert_bias: Optional[bool] = None  # a routing-only bias per expert, moved towards balance each step (None: the family's)
+    moe_bias_update_rate: float = 1e-3  # how far the expert bias moves per optimizer step
+    moe_groups: int = 1  # expert groups for group-limited routing (HF n_group; 1: off)
+    moe_group_top_k: int = 1  # groups each token may route to (HF topk_group)
+    moe_scaling_factor: float = 1.0  # routed experts' combined output times this (HF routed_scaling_factor)
+    moe_shared_experts: int = 0  # always-active experts of moe_ffn_hidden_size each, run as one MLP (HF n_shared_experts)
 
     def repeats(self) -> dict[str, int]:
         """Placeholder counts of the family's mapping rows (`{i}`: decoder layers, `{e}`: experts)."""
@@ -76,26 +90,47 @@ class ModelConfig:
     def _count(self, experts_used: int) -> int:
         h, f, v, d = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.kv_channels
         nq, nkv = self.num_attention_heads, self.num_query_groups or self.num_attention_heads
-        attn = h * d * (nq + 2 * nkv) + nq * d * h + (2 * d if self.qk_norm else 0) + ((nq + 2 * nkv) * d if self.qkv_bias else 0)
+        if self.kv_lora_rank:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = h * nq * qk if not self.q_lora_rank else h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * nq * qk
+            kv = (
+                h * (self.kv_lora_rank + self.qk_rope_head_dim)
+                + self.kv_lora_rank
+                + self.kv_lora_rank * nq * (self.qk_nope_head_dim + self.v_head_dim)
+            )
+            attn = q + kv + nq * self.v_head_dim * h
+        else:
+            attn = h * d * (nq + 2 * nkv) + nq * d * h + (2 * d if self.qk_norm else 0) + ((nq + 2 * nkv) * d if self.qkv_bias else 0)
         total = 0
         for i in range(self.num_layers):
-            mlp = self.num_experts * h + experts_used * 3 * h * self.expert_ffn if self.layer_kind(i) == "moe" else 3 * h * f
+            if self.layer_kind(i) == "moe":
+                mlp = self.num_experts * h + (experts_used + self.moe_shared_experts) * 3 * h * self.expert_ffn
+            else:
+                mlp = 3 * h * f
             total += attn + mlp + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return total + emb + h
 
+    def attention_dims(self) -> tuple[int, int]:
+        """Per-head (query/key, value) channels."""
+        if self.kv_lora_rank:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.kv_channels, self.kv_channels
+
     def flops_per_token(self, seq: int, frozen_weights: bool = False) -> float:
         """Training FLOPs per token, forward + backward, no recompute: 6 * active params (all of
-        them for a dense model, embeddings included) + causal-agnostic attention 12 * layers *
-        (heads * head_dim) * seq. The convention of the benchmarks in docs/benchmarks.md.
+        them for a dense model, embeddings included) + causal-agnostic attention 6 * layers *
+        heads * (qk_head_dim + v_head_dim) * seq (12 * layers * heads * head_dim * seq where the
+        two are equal). The convention of the benchmarks in docs/benchmarks.md.
         `frozen_weights` (LoRA): no weight gradients, 4 * params (adapters not counted)."""
         per_param = 4.0 if frozen_weights else 6.0
-        return per_param * self.num_active_params() + 12.0 * self.num_layers * self.num_attention_heads * self.kv_channels * seq
+        qk, v = self.attention_dims()
+        return per_param * self.num_active_params() + 6.0 * self.num_layers * self.num_attention_heads * (qk + v) * seq
 
 
 # The router's training options: a run takes them from its own `model` section whatever its
 # starting weights (an HF or LoongForge checkpoint gives the architecture, not how to train it).
-ROUTER_TRAINING_FIELDS = ("moe_aux_loss_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor")
+ROUTER_TRAINING_FIELDS = ("moe_aux_loss_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor", "moe_bias_update_rate")
 
 
 @dataclass(frozen=True)
@@ -111,13 +146,16 @@ class FamilySpec:
     # the HF config key that switches the q/k/v bias (None: the family always has its default)
     hf_qkv_bias_key: Optional[str] = "attention_bias"
     hf_extra_config: tuple = ()  # (key, value) pairs the family's HF config.json carries besides the shape
-    # (HF config key, ModelConfig field) pairs the family reads and writes besides the common shape
-    # (the MoE options of a MoE family); an HF key may have older spellings: "key|older_key"
+    # (HF config key, ModelConfig field[, read, write]) rows the family reads and writes besides the
+    # common shape (MoE and MLA options); an HF key may have older spellings ("key|older_key");
+    # `read`/`write` convert where the two differ in form (HF first_k_dense_replace: a count)
     hf_fields: tuple = ()
     # None: HF config keys beyond those LoongForge reads are ignored (the dense families); a tuple:
     # the only other keys a config may hold (named in an error otherwise), each as "key" (any
     # value) or ("key", value) (a feature LoongForge does not implement unless it has this value)
     hf_other_keys: Optional[tuple] = None
+    moe_score_function: str = "softmax"  # the router's score over experts
+    moe_expert_bias: bool = False  # aux-loss-free balancing bias (needs sigmoid scores)
 
     def resolve(self, cfg: ModelConfig) -> ModelConfig:
         """Fill the options the config leaves to the family."""
@@ -126,6 +164,8 @@ class FamilySpec:
             qkv_bias=self.qkv_bias if cfg.qkv_bias is None else cfg.qkv_bias,
             qk_norm=self.qk_norm if cfg.qk_norm is None else cfg.qk_norm,
             num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
+            moe_score_function=cfg.moe_score_function or self.moe_score_function,
+            moe_expert_bias=self.moe_expert_bias if cfg.moe_expert_bias is None else cfg.moe_expert_bias,
         )
 
 
@@ -170,8 +210,14 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.d
             moe_router_topk=cfg.moe_top_k,
             # megatron's pre-softmax routing keeps the softmax-over-all probabilities of the top k;
             # without it, the softmax over the top-k logits: the renormalized top-k probabilities
-            moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
-            moe_router_score_function="softmax",
+            moe_router_pre_softmax=cfg.moe_score_function != "sigmoid" and not cfg.moe_norm_topk_prob,
+            moe_router_score_function=cfg.moe_score_function or "softmax",
+            moe_router_enable_expert_bias=bool(cfg.moe_expert_bias),
+            moe_router_bias_update_rate=cfg.moe_bias_update_rate,
+            moe_router_num_groups=cfg.moe_groups if cfg.moe_groups > 1 else None,
+            moe_router_group_topk=cfg.moe_group_top_k if cfg.moe_groups > 1 else None,
+            moe_router_topk_scaling_factor=cfg.moe_scaling_factor if cfg.moe_scaling_factor != 1.0 else None,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_experts * cfg.expert_ffn or None,
             moe_router_dtype="fp32",
             moe_router_load_balancing_type=cfg.moe_aux_loss_type,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff if cfg.moe_aux_loss_type != "none" else 0.0,
@@ -214,10 +260,45 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, ctx, lora=None, 
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-    rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
-    inv_freq = rope_inv_freq(rotary_dim, cfg.rope_theta, cfg.rope_scaling)
     norm = ModuleSpec(module=RMSNorm, params={"ops": ops})
     qk_norm = norm if cfg.qk_norm else IdentityOp
+
+    if cfg.kv_lora_rank:
+        from loongforge.core.foundation.mla import MLADims, MLASubmodules, ReplicatedLinear, mla_attention_class, mla_rope
+
+        mla_inv_freq, rotary_factor, softmax_scale = mla_rope(cfg)
+        dims = MLADims(cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope_interleave)
+
+        def attention(linear):
+            return ModuleSpec(
+                module=mla_attention_class(),
+                params={"ops": ops, "dims": dims, "inv_freq": mla_inv_freq, "rotary_factor": rotary_factor, "softmax_scale": softmax_scale},
+                submodules=MLASubmodules(
+                    linear_q_proj=linear("self_attention.linear_q_proj", ColumnParallelLinear),
+                    linear_q_down_proj=ReplicatedLinear,
+                    q_layernorm=norm,
+                    linear_q_up_proj=linear("self_attention.linear_q_up_proj", ColumnParallelLinear),
+                    linear_kv_down_proj=ReplicatedLinear,
+                    kv_layernorm=norm,
+                    linear_kv_up_proj=linear("self_attention.linear_kv_up_proj", ColumnParallelLinear),
+                    linear_proj=linear("self_attention.linear_proj", RowParallelLinear),
+                ),
+            )
+    else:
+        inv_freq = rope_inv_freq(int(cfg.kv_channels * cfg.rotary_percent), cfg.rope_theta, cfg.rope_scaling)
+
+        def attention(linear):
+            return ModuleSpec(
+                module=fused_qkv_attention_class(),
+                params={"attn_mask_type": AttnMaskType.causal, "ops": ops},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=linear("self_attention.linear_qkv", ColumnParallelLinear),
+                    core_attention=ModuleSpec(module=RotarySDPAttention, params={"ops": ops, "inv_freq": inv_freq}),
+                    linear_proj=linear("self_attention.linear_proj", RowParallelLinear),
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            )
 
     def dense_mlp(linear):
         return ModuleSpec(
@@ -236,11 +317,18 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, ctx, lora=None, 
 
         ensure_router_without_te()
         experts = ModuleSpec(module=grouped_experts_class(), params={"ops": ops})
+        shared = None
+        if cfg.moe_shared_experts:
+            from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+            shared = ModuleSpec(
+                module=SharedExpertMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+            )
         # (megatron passes its groups only to modules that are exactly its MoELayer class)
         moe = ModuleSpec(
             module=moe_layer_class(),
             params={"ops": ops, "pg_collection": ctx.pg_collection()},
-            submodules=MoESubmodules(experts=experts, router=router_class()),
+            submodules=MoESubmodules(experts=experts, router=router_class(), shared_experts=shared),
         )
 
     def layer(i: int):
@@ -252,17 +340,7 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, ctx, lora=None, 
             params={"ops": ops},
             submodules=TransformerLayerSubmodules(
                 input_layernorm=norm,
-                self_attention=ModuleSpec(
-                    module=fused_qkv_attention_class(),
-                    params={"attn_mask_type": AttnMaskType.causal, "ops": ops},
-                    submodules=SelfAttentionSubmodules(
-                        linear_qkv=linear("self_attention.linear_qkv", ColumnParallelLinear),
-                        core_attention=ModuleSpec(module=RotarySDPAttention, params={"ops": ops, "inv_freq": inv_freq}),
-                        linear_proj=linear("self_attention.linear_proj", RowParallelLinear),
-                        q_layernorm=qk_norm,
-                        k_layernorm=qk_norm,
-                    ),
-                ),
+                self_attention=attention(linear),
                 self_attn_bda=get_bias_dropout_add,
                 pre_mlp_layernorm=norm,
                 mlp=moe if cfg.layer_kind(i) == "moe" else dense_mlp(linear),
@@ -340,6 +418,29 @@ def validate_moe(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> None:
             raise UserError(f"model.{name}={getattr(cfg, name)} must be at least 0")
     if cfg.moe_capacity_factor is not None and not cfg.moe_capacity_factor > 0:
         raise UserError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} must be > 0 (or null: dropless)")
+    if cfg.moe_score_function not in ("softmax", "sigmoid"):
+        raise UserError(f"model.moe_score_function={cfg.moe_score_function!r}: choose softmax or sigmoid")
+    if cfg.moe_expert_bias and cfg.moe_score_function != "sigmoid":
+        raise UserError(
+            "model.moe_expert_bias=true needs model.moe_score_function=sigmoid (the aux-loss-free bias is added to sigmoid scores)"
+        )
+    if cfg.moe_score_function == "sigmoid" and cfg.moe_top_k > 1 and not cfg.moe_norm_topk_prob:
+        raise UserError(
+            "model.moe_norm_topk_prob=false with sigmoid scores is not implemented (the top-k sigmoid scores are always renormalized)"
+        )
+    if cfg.moe_groups > 1:
+        g, k = cfg.moe_groups, cfg.moe_group_top_k
+        if cfg.num_experts % g or not 1 <= k <= g:
+            raise UserError(
+                f"model.moe_groups={g}, moe_group_top_k={k}: the groups must divide model.num_experts={cfg.num_experts} and 1 <= moe_group_top_k <= moe_groups"
+            )
+        if cfg.moe_top_k != 2 * k:
+            raise UserError(
+                f"model.moe_top_k={cfg.moe_top_k} with moe_group_top_k={k}: group-limited routing ranks each group by its top 2 "
+                f"scores (DeepSeek-V3), which needs moe_top_k = 2 * moe_group_top_k"
+            )
+    if cfg.moe_shared_experts < 0:
+        raise UserError(f"model.moe_shared_experts={cfg.moe_shared_experts} must be at least 0")
 
 
 def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dtype=torch.float32, recompute: bool = False, lora=None):

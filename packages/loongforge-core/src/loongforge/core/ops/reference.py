@@ -53,6 +53,43 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: Optional[dict] = None) 
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term for a context extended `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_rope(rotary_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN rotary embedding (HF's `rope_type: yarn`): (inverse frequencies over `rotary_dim`
+    channels, the factor HF multiplies cos and sin by). `scaling` holds `factor`,
+    `original_max_position_embeddings` and optionally `beta_fast` (32), `beta_slow` (1),
+    `mscale`, `mscale_all_dim`, `attention_factor`, `truncate` (true)."""
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):  # the channel whose wavelength makes `rotations` turns over old_len
+        return rotary_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate it by `factor`
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 def rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,11 +232,12 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Causal attention over packed samples that never crosses a sample boundary.
 
-    q: [total, heads, head_dim], k/v: [total, kv_heads, head_dim], cu_seqlens: [n + 1] offsets,
-    max_seqlen: the longest sample (a hint for kernels that size their grid by it).
+    q: [total, heads, head_dim], k: [total, kv_heads, head_dim], v: [total, kv_heads, v_head_dim]
+    (v_head_dim may differ, as in MLA), cu_seqlens: [n + 1] offsets, max_seqlen: the longest
+    sample (a hint for kernels that size their grid by it). Returns [total, heads, v_head_dim].
     The reference runs SDPA per sample (exact; faster kernels take the whole pack at once).
     """
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:2], v.shape[-1])
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:

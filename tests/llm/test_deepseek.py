@@ -1,0 +1,180 @@
+"""DeepSeek-V3: multi-head latent attention (with and without a query latent, YaRN or plain
+rotary, interleaved or not), sigmoid routing with the aux-loss-free expert bias, group-limited
+top-k, shared experts, first dense layers, scaled routed outputs; against HF transformers'
+DeepseekV3ForCausalLM on tiny random configs (logits, greedy tokens, HF -> LF -> HF), the bias
+update during training, and EP=2 against EP=1."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import FAST, losses, make_hf_model, run_cli
+from loongforge.llm import load_model
+from loongforge.llm.model_io import hf_to_lf, lf_to_hf
+from safetensors.torch import load_file, save_file
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+BASE = dict(
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    qk_nope_head_dim=32,
+)
+CASES = {
+    # a query latent, YaRN, 4 groups of which 2 per token, one shared expert, a dense first layer
+    "qlatent-yarn-groups": dict(
+        q_lora_rank=48,
+        rope_parameters=YARN,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        num_hidden_layers=3,
+    ),
+    # one query projection, plain rotary in HF's half-split layout, no groups, two shared experts
+    "qproj-rope-halfsplit": dict(
+        q_lora_rank=None,
+        rope_interleave=False,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        first_k_dense_replace=0,
+        routed_scaling_factor=1.0,
+        num_hidden_layers=2,
+    ),
+}
+
+
+def _spread_router(hf, seed=1):
+    """Router weights and expert biases large enough that the choice of experts (and groups)
+    differs between tokens and depends on the bias (HF initializes the bias at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
+                gate.e_score_correction_bias.copy_(0.2 * torch.randn(gate.e_score_correction_bias.shape, generator=g))
+
+
+def make_deepseek(d, **kw):
+    hf = make_hf_model("deepseek_v3", d / "init", **{**BASE, **kw})
+    _spread_router(hf)
+    hf.save_pretrained(str(d / "hf"))
+    return hf, d / "hf"
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    hf, d = make_deepseek(tmp_path_factory.mktemp(request.param), **CASES[request.param])
+    return hf, d, load_model(d)
+
+
+def test_logits_match_hf(pair, tmp_path):
+    hf, d, ours = pair
+    torch.manual_seed(1)
+    x = torch.randint(0, 512, (2, 48))  # longer than YaRN's original 32 positions
+    with torch.no_grad():
+        want, got = hf(x).logits, ours(x)
+    rel = (got - want).abs().max() / want.abs().max()
+    assert rel < 1e-5, f"max relative difference {rel:.3e}"
+    # negative control: without the expert bias other experts are chosen, and the logits differ
+    shutil.copytree(d, tmp_path / "nobias")
+    state = load_file(str(tmp_path / "nobias" / "model.safetensors"))
+    save_file(
+        {k: (torch.zeros_like(v) if "e_score_correction_bias" in k else v) for k, v in state.items()},
+        str(tmp_path / "nobias" / "model.safetensors"),
+    )
+    with torch.no_grad():
+        assert (load_model(tmp_path / "nobias")(x) - want).abs().max() / want.abs().max() > 1e-3
+
+
+def test_greedy_generation_matches_hf(pair):
+    hf, _, ours = pair
+    prompt = torch.tensor([[5, 17, 33, 2, 90]])
+    want = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, 8), want)
+
+
+def test_hf_lf_hf_roundtrip_is_bit_identical(pair, tmp_path):
+    _, d, _ = pair
+    hf_to_lf(d, tmp_path / "lf")
+    lf_to_hf(tmp_path / "lf", tmp_path / "back")
+    a, b = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(a) == set(b) and any("e_score_correction_bias" in k for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    c, orig = (json.loads((p / "config.json").read_text()) for p in (tmp_path / "back", d))
+    for key in (
+        "first_k_dense_replace",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "n_shared_experts",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "rope_interleave",
+    ):
+        assert c[key] == orig[key], key
+    assert c["rope_parameters"]["rope_type"] == orig["rope_parameters"]["rope_type"]
+
+
+# ---- training ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_ds(tmp_path_factory):
+    _, d = make_deepseek(tmp_path_factory.mktemp("hf_ds"), **CASES["qlatent-yarn-groups"])
+    return d
+
+
+def _train(run_dir, hf, *extra, nproc=1, steps=3):
+    args = ["train", "tiny", *FAST, f"train.train_iters={steps}", f"checkpoint.load={hf}", f"checkpoint.run_dir={run_dir}"]
+    r = run_cli([*args, *extra], nproc=nproc)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def test_expert_bias_moves_towards_balance(hf_ds, tmp_path):
+    """Each optimizer step moves every expert's bias by exactly +-rate (towards the experts that
+    got fewer tokens than the mean); the gradient never touches it."""
+    _train(tmp_path, hf_ds, "model.moe_bias_update_rate=0.01", "checkpoint.export_hf=true")
+    before = load_file(str(hf_ds / "model.safetensors"))
+    after = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for layer in (1, 2):
+        key = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        steps = (after[key] - before[key]) / 0.01
+        # three steps of +-1: an odd number between -3 and 3
+        assert torch.allclose(steps, steps.round(), atol=1e-3) and set(steps.round().abs().tolist()) <= {1.0, 3.0}, steps
+    assert losses(tmp_path)[3] < losses(tmp_path)[1]
+
+
+@pytest.mark.slow
+def test_expert_parallel_two_processes_match_one(hf_ds, tmp_path):
+    _train(tmp_path / "one", hf_ds, "checkpoint.export_hf=true", steps=4)
+    _train(tmp_path / "two", hf_ds, "checkpoint.export_hf=true", "parallel.expert_model_parallel_size=2", nproc=2, steps=4)
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "two")
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
+    # the bias updates count the tokens of both data-parallel ranks: the same biases as one process
+    a, b = (load_file(str(tmp_path / r / "hf" / "model.safetensors")) for r in ("one", "two"))
+    for k in a:
+        if "e_score_correction_bias" in k:
+            assert torch.equal(a[k], b[k]), k
