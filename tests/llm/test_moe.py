@@ -146,6 +146,22 @@ def test_expert_parallel_two_processes_match_one(single, hf_moe, tmp_path):
     assert abs(rows[-1]["grad_norm"] - one[-1]["grad_norm"]) <= 1e-5 * one[-1]["grad_norm"]
 
 
+@pytest.mark.slow
+def test_hot_expert_replication_keeps_the_math(single, hf_moe, tmp_path):
+    """EP=2 with two spare slots per rank, re-planned every step: hot experts get copies on the
+    other rank (each (token, expert) pair computed by one copy, the copies' gradients summed
+    into the home weight), and the losses and gradient norms are those of one process."""
+    extra = ["parallel.expert_model_parallel_size=2", "parallel.expert_spare_slots=2", "parallel.expert_replan_interval=1"]
+    _train(tmp_path, hf_moe, "train.save_interval=2", *extra, nproc=2)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    one = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["moe/layer1/replicas"] == rows[0]["moe/layer2/replicas"] == 0  # the first step runs before any plan
+    assert all(r["moe/layer1/replicas"] + r["moe/layer2/replicas"] > 0 for r in rows[1:])  # (a balanced layer may need none)
+    for got, want in zip(rows, one):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got["step"], got["loss"], want["loss"])
+        assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"], got["step"]
+
+
 def _cut_to_step_2(src, dst):
     """A copy of a finished run as if it had been stopped right after its step-2 checkpoint."""
     shutil.copytree(src, dst)
@@ -193,6 +209,7 @@ MOE_TINY = ["model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidd
         (["model.moe_dense_layers=[7]"], 1, ["model.moe_dense_layers", "layer 7"]),
         (["model.num_experts=0", "parallel.expert_model_parallel_size=2"], 2, ["needs a MoE model"]),
         (["parallel.tensor_model_parallel_size=2"], 2, ["tensor_model_parallel_size=2", "expert_model_parallel_size"]),
+        (["parallel.expert_spare_slots=1"], 1, ["expert_spare_slots=1", "expert_model_parallel_size > 1"]),
     ],
 )
 def test_bad_moe_settings(extra, nproc, needles, tmp_path):

@@ -30,6 +30,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1  # megatron stack, MoE models: ranks that split each layer's experts (EP)
+    expert_spare_slots: int = 0  # EP > 1: extra expert slots per rank holding copies of the hottest experts (0: no replication)
+    expert_replan_interval: int = 20  # steps between replication plans (each from the routing of the steps since the last)
+    ranks_per_node: Optional[int] = None  # replicas stay on the busy rank's node where they can (None: torchrun's LOCAL_WORLD_SIZE)
     data_parallel_mode: str = "ddp"  # torch stack: ddp | zero1 (sharded optimizer state) | fsdp (fully_shard per block) | hsdp
     data_parallel_replicas: int = 1  # torch stack, hsdp: replica groups of the 2-D mesh (shards = world size / replicas)
     compile: bool = False  # torch stack: torch.compile every block

@@ -70,11 +70,15 @@ def router_class():
         def __init__(self, config, pg_collection=None):
             super().__init__(config=config, pg_collection=pg_collection)
             self.stats: dict[str, torch.Tensor] = {}
+            self.load_window = None  # tokens routed to each expert since the last replication plan (training)
 
         def routing(self, logits, padding_mask=None):
             self.stats = {}
             probs, routing_map = super().routing(logits, padding_mask=padding_mask)
-            self.stats["tokens_per_expert"] = routing_map.detach().sum(0, dtype=torch.float32)
+            load = routing_map.detach().sum(0, dtype=torch.float32)
+            self.stats["tokens_per_expert"] = load
+            if self.training and torch.is_grad_enabled():  # (not again when recompute repeats the forward)
+                self.load_window = load.clone() if self.load_window is None else self.load_window + load
             return probs, routing_map
 
         def attach_and_log_load_balancing_loss(
@@ -107,7 +111,10 @@ def moe_metrics(model_routers: list, weight: torch.Tensor) -> dict[str, torch.Te
     sums; the trainer reports them divided by the global weight, i.e. averaged over the step's
     micro-batches): per MoE layer (`n` counted from 0, as HF names layers) `moe/layer{n}/load_max_mean` (the busiest expert's tokens over
     the mean, 1.0 = perfectly balanced) and each auxiliary loss the router computed; and
-    `moe/load_max_mean`, the mean over this stage's MoE layers. Empty for a dense model."""
+    `moe/load_max_mean`, the mean over this stage's MoE layers; with expert parallelism also
+    `moe/layer{n}/ep_load_max_mean` (the busiest EP rank's tokens over the mean, its experts'
+    tokens split evenly over their copies) and `moe/layer{n}/replicas` (hot-expert copies in
+    spare slots). Empty for a dense model."""
     out = {}
     ratios = []
     for r in model_routers:
@@ -117,6 +124,12 @@ def moe_metrics(model_routers: list, weight: torch.Tensor) -> dict[str, torch.Te
         ratio = load.max() / load.mean().clamp(min=1e-12)
         ratios.append(ratio)
         out[f"moe/layer{r.layer_number - 1}/load_max_mean"] = ratio * weight
+        placement = getattr(r, "placement", None)
+        if placement is not None:  # expert-parallel: tokens per EP rank under the layer's placement
+            placement = placement.on(load.device)
+            ranks = placement.rank_load_matrix @ (load / placement.copy_counts)
+            out[f"moe/layer{r.layer_number - 1}/ep_load_max_mean"] = ranks.max() / ranks.mean().clamp(min=1e-12) * weight
+            out[f"moe/layer{r.layer_number - 1}/replicas"] = placement.replicas * weight
         for name, value in r.stats.items():
             if name != "tokens_per_expert":
                 out[f"moe/layer{r.layer_number - 1}/{name}"] = value * weight
@@ -151,7 +164,7 @@ def moe_layer_class():
     all-gather dispatcher (its expert parallelism and token dropping). A factory, so that
     importing this module does not import megatron-core."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoETokenDispatcher
 
     class LocalTokenDispatcher(MoETokenDispatcher):
         def __init__(self, config, pg_collection, ops: OpTable):
@@ -182,13 +195,142 @@ def moe_layer_class():
         def combine_postprocess(self, hidden_states):
             return hidden_states.view(self.shape)
 
+    class PlacedAllGatherDispatcher(MoEAllGatherTokenDispatcher):
+        """megatron's all-gather dispatcher (every rank gathers its EP group's tokens, computes
+        the pairs of its expert slots, and reduce-scatters the outputs back) where a rank's slots
+        are its `PlacedExperts`: its home experts and the replicas of hot experts it holds. Each
+        (token, expert) pair goes to exactly one copy of the expert, copy `i % n` for the i-th
+        token routed to it, so every pair is computed once."""
+
+        placement: "PlacedExperts" = None
+
+        def dispatch_postprocess(self, hidden_states, probs):
+            from megatron.core.transformer.moe.moe_utils import permute
+
+            routed = self.routing_map  # [gathered tokens, experts]
+            pl = self.placement.on(routed.device)
+            self.hidden_shape_before_permute = hidden_states.shape
+            nth = routed.long().cumsum(0) - 1  # which of the expert's tokens each pair is
+            copy = nth % pl.copy_counts.long()
+            owner = pl.owners.flatten()[torch.arange(routed.shape[1], device=routed.device) * pl.owners.shape[1] + copy]
+            self.local_map = (routed & (owner == self.ep_group.rank()))[:, pl.slot_experts].contiguous()
+            self.local_probs = probs[:, pl.slot_experts].contiguous()
+            tokens_per_expert = self.local_map.sum(dim=0).long().cpu()
+            permuted, _, self.reversed_local_input_permutation_mapping = permute(
+                hidden_states, self.local_map, num_out_tokens=tokens_per_expert.sum(), fused=False
+            )
+            self.local_probs = self.local_probs.T.contiguous().masked_select(self.local_map.T.contiguous())
+            self.routing_map = None
+            return permuted, tokens_per_expert, self.local_probs
+
     class OpTableMoELayer(MoELayer):
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, ops: OpTable | None = None):
             super().__init__(config, submodules, layer_number, pg_collection)
             if self.num_local_experts == config.num_moe_experts and config.moe_expert_capacity_factor is None:
                 self.token_dispatcher = LocalTokenDispatcher(config, pg_collection, ops or OpTable())
+            elif self.num_local_experts < config.num_moe_experts:
+                self.token_dispatcher = PlacedAllGatherDispatcher(self.num_local_experts, self.local_expert_indices, config, pg_collection)
+                from loongforge.core.parallel.expert_placement import home_placement
+
+                self.set_placement(home_placement(config.num_moe_experts, self.ep_group.size()))
+
+        def set_placement(self, placement) -> None:
+            """Hold the experts `placement` (an ExpertPlacement of this layer's EP group) gives
+            this rank: its home experts and, in spare slots, copies of hot ones."""
+            placed = PlacedExperts(placement, self.ep_group.rank())
+            self.token_dispatcher.placement = placed
+            self.experts.placement = placed
+            self.router.placement = placed
+
+        @property
+        def placement(self):
+            return getattr(self.token_dispatcher, "placement", None)
 
     return OpTableMoELayer
+
+
+class PlacedExperts:
+    """An `ExpertPlacement` as the tensors one rank's MoE layer uses: `slot_experts` [slots] (its
+    home experts, then its replicas), `owners` [E, max copies] (each expert's copies' ranks in
+    copy order), `copy_counts` [E], `rank_load_matrix` [R, E] (how many of each expert's copies
+    a rank holds), and the rows of the replica exchange (see `_ReplicaExchange`). Built on the
+    CPU; `on(device)` gives (and keeps) a copy on the device the layer runs on."""
+
+    def __init__(self, placement, rank: int, device=None) -> None:
+        e, r = placement.num_experts, placement.ep_size
+        self.placement = placement
+        self.replicas = float(len(placement.replica_order))
+        copies = [placement.copies(x) for x in range(e)]
+        width = max(len(c) for c in copies)
+        self.owners = torch.tensor([c + [-1] * (width - len(c)) for c in copies], dtype=torch.long, device=device)
+        self.copy_counts = torch.tensor([len(c) for c in copies], dtype=torch.float32, device=device)
+        self.slot_experts = torch.tensor(placement.slots[rank], dtype=torch.long, device=device)
+        held = torch.zeros(r, e, dtype=torch.float32, device=device)
+        for rank_, slots in enumerate(placement.slots):
+            held[rank_, list(slots)] = 1.0
+        self.rank_load_matrix = held
+        # the exchange buffer has one row per replica, in replica order: this rank fills the rows
+        # of replicas of its home experts and takes the rows of the replicas it holds
+        per_rank = e // r
+        first = rank * per_rank
+        order = placement.replica_order
+        self.send_rows = torch.tensor(
+            [i for i, (x, _) in enumerate(order) if first <= x < first + per_rank], dtype=torch.long, device=device
+        )
+        self.send_local = torch.tensor([x - first for x, _ in order if first <= x < first + per_rank], dtype=torch.long, device=device)
+        self.recv_rows = torch.tensor([i for i, (_, holder) in enumerate(order) if holder == rank], dtype=torch.long, device=device)
+        self._rank = rank
+        self._copies: dict = {}
+
+    def on(self, device) -> "PlacedExperts":
+        device = torch.device(device)
+        if self.copy_counts.device == device:
+            return self
+        if device not in self._copies:
+            self._copies[device] = PlacedExperts(self.placement, self._rank, device)
+        return self._copies[device]
+
+
+class _ReplicaExchange(torch.autograd.Function):
+    """The replicas a rank holds, from the home weights of their experts on other ranks (one
+    all-reduce over the EP group of a buffer with a row per replica); backward sends each
+    replica's gradient back into its home weight's gradient the same way, so the copies of an
+    expert train as one weight and the model's math is unchanged."""
+
+    @staticmethod
+    def forward(ctx, home: torch.Tensor, placed: PlacedExperts, group) -> torch.Tensor:
+        buf = home.new_zeros(len(placed.placement.replica_order), *home.shape[1:])
+        buf[placed.send_rows] = home[placed.send_local]
+        dist.all_reduce(buf, group=group)
+        ctx.placed, ctx.group, ctx.home_shape = placed, group, home.shape
+        return buf[placed.recv_rows]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        placed = ctx.placed
+        buf = grad.new_zeros(len(placed.placement.replica_order), *grad.shape[1:])
+        buf[placed.recv_rows] = grad
+        dist.all_reduce(buf, group=ctx.group)
+        home_grad = grad.new_zeros(ctx.home_shape)
+        home_grad.index_add_(0, placed.send_local, buf[placed.send_rows])
+        return home_grad, None, None
+
+
+def replan_experts(model: nn.Module, group, spare_slots: int, ranks_per_node=None) -> None:
+    """Re-plan every expert-parallel MoE layer's hot-expert replicas from the tokens its router
+    saw since the last plan, counted over the data-parallel ranks (`group`): the same plan on
+    every rank (`plan_replication` is deterministic)."""
+    from loongforge.core.parallel.expert_placement import plan_replication
+
+    for m in model.modules():
+        placed = getattr(m, "placement", None) if hasattr(m, "set_placement") else None
+        if placed is None or m.router.load_window is None:
+            continue
+        load = m.router.load_window
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(load, group=group)
+        m.set_placement(plan_replication(load.double().cpu().numpy(), placed.placement.ep_size, spare_slots, ranks_per_node))
+        m.router.load_window = None
 
 
 @functools.cache
@@ -223,9 +365,16 @@ def grouped_experts_class():
                 # megatron's convention: expert parameters are reduced over the expert-data-parallel group
                 w.allreduce = False
 
+        placement = None  # PlacedExperts of an expert-parallel layer (its replicas follow the home experts)
+
         def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor | None):
             """probs None: the dispatcher applies them when it combines the outputs."""
-            out = self.ops.moe_expert_mlp(tokens, tokens_per_expert.to(tokens.device), self.fc1, self.fc2)
+            fc1, fc2 = self.fc1, self.fc2
+            if self.placement is not None and self.placement.replicas:
+                placed = self.placement.on(fc1.device)
+                fc1 = torch.cat([fc1, _ReplicaExchange.apply(fc1, placed, self.ep_group)])
+                fc2 = torch.cat([fc2, _ReplicaExchange.apply(fc2, placed, self.ep_group)])
+            out = self.ops.moe_expert_mlp(tokens, tokens_per_expert.to(tokens.device), fc1, fc2)
             return (out if probs is None else out * probs.unsqueeze(-1).to(out.dtype)), None
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):

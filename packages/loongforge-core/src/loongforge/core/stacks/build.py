@@ -8,6 +8,29 @@ from loongforge.core.errors import UserError
 STACKS = ("megatron", "torch")
 
 
+def expert_replication(par, ep: int):
+    """(spare slots, replan interval, EP ranks per node) of `parallel.expert_*`, or None without
+    replication."""
+    import os
+
+    if par.expert_spare_slots < 0 or par.expert_replan_interval < 1:
+        raise UserError(
+            f"parallel.expert_spare_slots={par.expert_spare_slots} must be at least 0 and "
+            f"parallel.expert_replan_interval={par.expert_replan_interval} at least 1"
+        )
+    if not par.expert_spare_slots:
+        return None
+    if ep == 1:
+        raise UserError(
+            f"parallel.expert_spare_slots={par.expert_spare_slots} replicates experts across expert-parallel ranks: "
+            "set parallel.expert_model_parallel_size > 1 (or expert_spare_slots=0)"
+        )
+    per_node = par.ranks_per_node or min(ep, int(os.environ.get("LOCAL_WORLD_SIZE", ep)))
+    if per_node < 1 or ep % per_node:
+        raise UserError(f"parallel.ranks_per_node={per_node} must divide expert_model_parallel_size={ep}")
+    return par.expert_spare_slots, par.expert_replan_interval, per_node
+
+
 def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype):
     """Join the process group and lay out the ranks for `parallel_cfg.stack`; returns
     (stack, ParallelContext or None). The megatron stack's context gives TP/PP/DP groups; the
@@ -29,7 +52,7 @@ def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype):
             ep=par.expert_model_parallel_size,
         )
         check_batch_sizes(train_cfg, ctx.dp_size)
-        return MegatronStack(ctx, acc, params_dtype, train_cfg.master_weights), ctx
+        return MegatronStack(ctx, acc, params_dtype, train_cfg.master_weights, expert_replication(par, ctx.ep_size)), ctx
     if par.tensor_model_parallel_size != 1 or par.pipeline_model_parallel_size != 1 or par.expert_model_parallel_size != 1:
         raise UserError(
             "parallel.stack=torch has data parallelism only: set tensor_model_parallel_size=1, "

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from loongforge.core.checkpoint import load_full_state, load_megatron, save_megatron
-from loongforge.core.foundation.moe import is_expert_param, update_expert_biases
+from loongforge.core.foundation.moe import is_expert_param, replan_experts, update_expert_biases
 from loongforge.core.stacks.base import Select, TrainStack
 from loongforge.core.stacks.grads import all_reduce_mean, grad_sq_norm, param_groups
 from loongforge.core.train.pipeline import forward_backward
@@ -24,7 +24,7 @@ from loongforge.core.train.precision import MasterWeights, PureLowPrecision
 class MegatronStack(TrainStack):
     name = "megatron"
 
-    def __init__(self, ctx, acc, params_dtype: torch.dtype = torch.float32, master_weights: bool = True) -> None:
+    def __init__(self, ctx, acc, params_dtype: torch.dtype = torch.float32, master_weights: bool = True, expert_replication=None) -> None:
         self.ctx = ctx
         self.acc = acc
         self.device = acc.device()
@@ -36,6 +36,8 @@ class MegatronStack(TrainStack):
         self._trained: list = []
         self._counted: list = []  # parameters in the gradient norm: dense (each counted on one TP rank) ...
         self._counted_experts: list = []  # ... and routed experts (each on one EP rank)
+        self.expert_replication = expert_replication  # (spare slots, replan interval, EP ranks per node) or None
+        self._finalized = 0  # steps whose gradients were finalized
 
     def prepare(self, model):
         if self.params_dtype != torch.float32 and self.master_weights:
@@ -92,6 +94,10 @@ class MegatronStack(TrainStack):
             # cover the global batch once; / dp_size makes them the mean the dense ones are
             all_reduce_mean(expert_grads, ctx.expert_dp_group, ctx.dp_size)
         update_expert_biases(model, ctx.dp_group)
+        self._finalized += 1
+        if self.expert_replication is not None and self._finalized % self.expert_replication[1] == 0:
+            spare, _, per_node = self.expert_replication
+            replan_experts(model, ctx.dp_group, spare, per_node)
 
     def grad_sq_norm(self, model, optimizer) -> torch.Tensor:
         ctx = self.ctx
