@@ -162,6 +162,39 @@ def test_hot_expert_replication_keeps_the_math(single, hf_moe, tmp_path):
         assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"], got["step"]
 
 
+def test_routing_trace_of_a_run_feeds_the_balance_simulator(single, tmp_path):
+    """tools/record_routing_trace.py records a trained run's routing on text; the simulator reads it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import cli_env
+
+    tools = Path(__file__).resolve().parents[2] / "tools"
+    corpus = Path(__file__).resolve().parents[2] / "packages/loongforge-llm/src/loongforge/llm/assets/tiny_corpus.jsonl"
+    trace = tmp_path / "trace.jsonl"
+    args = ["--text", str(corpus), "--out", str(trace), "--tokens-per-step", "256", "--seq-length", "64", "--steps", "4"]
+    r = subprocess.run(
+        [sys.executable, str(tools / "record_routing_trace.py"), str(single), *args], env=cli_env(), capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert sorted({(x["step"], x["layer"]) for x in rows}) == [(s, layer) for s in range(4) for layer in (1, 2)]
+    assert all(sum(x["tokens_per_expert"]) == 256 * 2 for x in rows)  # every token routed to its top-2
+    r = subprocess.run(
+        [sys.executable, str(tools / "moe_balance_sim.py"), "--trace", str(trace), "--ep", "2", "--spare", "1", "--window", "2"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "layer 1" in r.stdout and "mean over 2 layers" in r.stdout
+    r = subprocess.run(
+        [sys.executable, str(tools / "record_routing_trace.py"), str(single), *args], env=cli_env(), capture_output=True, text=True
+    )
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: --out") and "exists" in r.stderr  # never overwritten
+
+
 def _cut_to_step_2(src, dst):
     """A copy of a finished run as if it had been stopped right after its step-2 checkpoint."""
     shutil.copytree(src, dst)
