@@ -25,6 +25,7 @@ YARN = {
     "mscale_all_dim": 1.0,
 }
 BASE = dict(
+    num_mtp_layers=0,  # (HF's model has no MTP modules; test_deepseek_mtp.py adds them)
     intermediate_size=128,
     moe_intermediate_size=32,
     num_key_value_heads=4,

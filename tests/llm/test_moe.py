@@ -243,6 +243,7 @@ MOE_TINY = ["model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidd
         (["model.num_experts=0", "parallel.expert_model_parallel_size=2"], 2, ["needs a MoE model"]),
         (["parallel.tensor_model_parallel_size=2"], 2, ["tensor_model_parallel_size=2", "expert_model_parallel_size"]),
         (["parallel.expert_spare_slots=1"], 1, ["expert_spare_slots=1", "expert_model_parallel_size > 1"]),
+        (["parallel.stack=torch"], 1, ["qwen3_moe family", "parallel.stack=megatron"]),
     ],
 )
 def test_bad_moe_settings(extra, nproc, needles, tmp_path):

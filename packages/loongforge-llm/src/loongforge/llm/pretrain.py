@@ -20,7 +20,7 @@ from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf as map_hf_to_lf
 from loongforge.core.foundation.lora import is_adapter_key
 from loongforge.core.foundation.moe import moe_metrics, routers
-from loongforge.core.foundation.spec import ROUTER_TRAINING_FIELDS, ModelConfig, build_gpt_model, validate_moe
+from loongforge.core.foundation.spec import MODEL_TRAINING_FIELDS, ModelConfig, build_gpt_model, validate_moe
 from loongforge.core.ops import OpTable
 from loongforge.core.outputs import replaced_dir
 from loongforge.core.parallel import on_rank0
@@ -36,7 +36,8 @@ from loongforge.llm.model_io import checkpoint_stack, lf_to_hf, lf_to_peft, mode
 
 def resolve_model_config(cfg) -> tuple[ModelConfig, str | None]:
     """The model config, and where its starting weights come from ('hf', 'lf' or None). Loaded
-    weights give the architecture; the router's training options come from the run's config."""
+    weights give the architecture; the model section's training options (MODEL_TRAINING_FIELDS)
+    come from the run's config."""
     source, where = weight_source(cfg.checkpoint.load)
     if source is None:
         return registry().get("family", cfg.model.family).resolve(cfg.model), None
@@ -45,7 +46,7 @@ def resolve_model_config(cfg) -> tuple[ModelConfig, str | None]:
         mcfg = fam.resolve(mcfg)
     else:
         mcfg = model_config_from_manifest(read_manifest(where))
-    return dataclasses.replace(mcfg, **{f: getattr(cfg.model, f) for f in ROUTER_TRAINING_FIELDS}), source
+    return dataclasses.replace(mcfg, **{f: getattr(cfg.model, f) for f in MODEL_TRAINING_FIELDS}), source
 
 
 def validate(cfg, mcfg: ModelConfig, tok) -> None:
@@ -60,6 +61,10 @@ def validate(cfg, mcfg: ModelConfig, tok) -> None:
             f"tokenizer has {len(tok)} tokens but model.vocab_size is {mcfg.vocab_size}; raise model.vocab_size or use a matching tokenizer"
         )
     validate_moe(mcfg, par.expert_model_parallel_size, par.tensor_model_parallel_size)
+    if par.stack != "megatron" and (mcfg.num_experts or mcfg.kv_lora_rank or mcfg.mtp_num_layers):
+        raise UserError(
+            f"the {mcfg.family} family (experts, latent attention, multi-token prediction) runs on the megatron stack: set parallel.stack=megatron"
+        )
     if cfg.data.seq_length > mcfg.max_position_embeddings:
         raise UserError(f"data.seq_length={cfg.data.seq_length} exceeds model.max_position_embeddings={mcfg.max_position_embeddings}")
     cfg.lora.validate()
@@ -237,7 +242,11 @@ class CausalLMTask(TrainingTask):
             weight = mb["loss_weights"].sum()
             if self._routers is None:
                 self._routers = routers(model)
-            return out, weight, moe_metrics(self._routers, weight)
+            metrics = moe_metrics(self._routers, weight)
+            mtp = getattr(model, "multi_token_prediction", None)
+            if mtp is not None and model.training:  # each depth's weighted loss sum: reported as its mean
+                metrics.update({f"mtp_loss_{k + 1}": loss for k, loss in enumerate(mtp.losses)})
+            return out, weight, metrics
         out = model(mb["tokens"], mb["labels"], mb["loss_weights"])
         return out, mb["loss_weights"].sum(), {}
 

@@ -121,12 +121,25 @@ DEEPSEEK_MOE_ROWS = (
     ),
     Row(L + "mlp.shared_experts.linear_fc2.weight", (H + "mlp.shared_experts.down_proj.weight",)),
 )
-DEEPSEEK_TABLE = (
-    EMBEDDING_ROW,
-    *MLA_ROWS,
-    *(dataclasses.replace(r, optional=True) for r in DENSE_MLP_ROWS + DEEPSEEK_MOE_ROWS),
-    *OUTPUT_ROWS,
+DEEPSEEK_LAYER_ROWS = (*MLA_ROWS, *(dataclasses.replace(r, optional=True) for r in DENSE_MLP_ROWS + DEEPSEEK_MOE_ROWS))
+
+# multi-token prediction module m: HF layer num_layers + m (its decoder layer's tensors beside
+# enorm / hnorm / eh_proj / shared_head, and copies of the embedding and output head)
+M, HM = "multi_token_prediction.layers.{m}.", "model.layers.{m}."
+MTP_SHIFT = (("m", "num_layers"),)
+MTP_ROWS = (
+    *(
+        Row(r.lf.replace(L, M + "layer."), tuple(h.replace(H, HM) for h in r.hf), r.transform, r.optional, MTP_SHIFT)
+        for r in DEEPSEEK_LAYER_ROWS
+    ),
+    Row(M + "enorm.weight", (HM + "enorm.weight",), hf_shift=MTP_SHIFT),
+    Row(M + "hnorm.weight", (HM + "hnorm.weight",), hf_shift=MTP_SHIFT),
+    Row(M + "eh_proj.weight", (HM + "eh_proj.weight",), hf_shift=MTP_SHIFT),
+    Row(M + "final_layernorm.weight", (HM + "shared_head.norm.weight",), hf_shift=MTP_SHIFT),
+    Row("embedding.word_embeddings.weight", (HM + "embed_tokens.weight",), "copies", hf_shift=MTP_SHIFT),
+    Row("output_layer.weight", (HM + "shared_head.head.weight",), "copies", hf_shift=MTP_SHIFT),
 )
+DEEPSEEK_TABLE = (EMBEDDING_ROW, *DEEPSEEK_LAYER_ROWS, *OUTPUT_ROWS, *MTP_ROWS)
 
 
 def _first_layers(layers: list) -> int:
@@ -160,14 +173,13 @@ DEEPSEEK_V3 = FamilySpec(
         ("qk_rope_head_dim", "qk_rope_head_dim"),
         ("v_head_dim", "v_head_dim"),
         ("rope_interleave", "rope_interleave"),
+        ("num_nextn_predict_layers|num_mtp_layers", "mtp_num_layers"),
     ),
     hf_other_keys=(
         *HF_METADATA_KEYS,
         ("attention_bias", False),
         ("pretraining_tp", 1),
         "qk_head_dim",  # derived: qk_nope_head_dim + qk_rope_head_dim
-        "num_nextn_predict_layers",  # MTP modules: not in HF's model; their weights are not read
-        "num_mtp_layers",
         ("scoring_func", "sigmoid"),  # older (remote-code) DeepSeek-V3 configs
         ("topk_method", "noaux_tc"),
         ("moe_layer_freq", 1),

@@ -20,8 +20,11 @@ from loongforge.core.errors import UserError
 class Row:
     lf: str
     hf: tuple[str, ...]
-    transform: str = "copy"  # copy | qkv | concat
+    transform: str = "copy"  # copy | qkv | concat | copies (HF-only placeholders name copies of one tensor)
     optional: bool = False  # absent on one side (tied output layer, bias off, no qk norm)
+    # (placeholder, config attribute): in HF names the placeholder counts from that attribute's
+    # value (DeepSeek-V3's MTP module m is HF layer num_layers + m)
+    hf_shift: tuple = ()
 
 
 def prefixed(table, lf_prefix: str = "", hf_prefix: str = "", rename: dict[str, str] | None = None) -> tuple[Row, ...]:
@@ -35,7 +38,7 @@ def prefixed(table, lf_prefix: str = "", hf_prefix: str = "", rename: dict[str, 
             n = n.replace(a, b)
         return n
 
-    return tuple(Row(lf_prefix + name(r.lf), tuple(hf_prefix + name(h) for h in r.hf), r.transform, r.optional) for r in table)
+    return tuple(Row(lf_prefix + name(r.lf), tuple(hf_prefix + name(h) for h in r.hf), r.transform, r.optional, r.hf_shift) for r in table)
 
 
 def _qkv_fuse(q, k, v, groups: int):
@@ -71,11 +74,13 @@ def _fill(name: str, values: dict[str, int]) -> str:
     return name
 
 
-def _expand(row: Row, counts: dict[str, int]):
+def _expand(row: Row, counts: dict[str, int], cfg=None):
     """Every (LoongForge name, [HF names of each stacked slice]) of a row, over the product of the
     LoongForge name's placeholders' ranges. A placeholder only the HF names hold (`{e}` of the
     per-expert HF tensors beside a LoongForge tensor of all experts) is a stacked axis: the
-    LoongForge tensor stacks one slice per value along dim 0; a row without one has one slice."""
+    LoongForge tensor stacks one slice per value along dim 0; a row without one has one slice.
+    With transform "copies", each value of such a placeholder names another HF copy of the same
+    LoongForge tensor instead (one item per copy)."""
     names = _placeholders(row.lf)
     stacked = sorted({p for h in row.hf for p in _placeholders(h)} - set(names))
     missing = [n for n in names + stacked if n not in counts]
@@ -83,11 +88,19 @@ def _expand(row: Row, counts: dict[str, int]):
         raise ValueError(f"mapping row {row.lf!r}: no repeat count for {{{missing[0]}}} (config repeats: {sorted(counts)})")
     if len(stacked) > 1:
         raise ValueError(f"mapping row {row.lf!r}: more than one stacked placeholder ({stacked})")
+    shift = {p: getattr(cfg, attr) for p, attr in row.hf_shift}
     for values in itertools.product(*(range(counts[n]) for n in names)):
         fill = dict(zip(names, values))
-        hf = tuple(_fill(h, fill) for h in row.hf)
-        slices = [tuple(_fill(h, {stacked[0]: j}) for h in hf) for j in range(counts[stacked[0]])] if stacked else [hf]
-        yield _fill(row.lf, fill), slices, bool(stacked)
+        hf = tuple(_fill(h, {k: v + shift.get(k, 0) for k, v in fill.items()}) for h in row.hf)
+        if not stacked:
+            yield _fill(row.lf, fill), [hf], False
+            continue
+        slices = [tuple(_fill(h, {stacked[0]: j + shift.get(stacked[0], 0)}) for h in hf) for j in range(counts[stacked[0]])]
+        if row.transform == "copies":
+            for one in slices:
+                yield _fill(row.lf, fill), [one], False
+        else:
+            yield _fill(row.lf, fill), slices, True
 
 
 def hf_to_lf(table, hf_state: dict, cfg) -> dict:
@@ -95,7 +108,7 @@ def hf_to_lf(table, hf_state: dict, cfg) -> dict:
     out = {}
     used = set()
     for row in table:
-        for lf_name, slices, stacked in _expand(row, repeats(cfg)):
+        for lf_name, slices, stacked in _expand(row, repeats(cfg), cfg):
             missing = [h for hf_names in slices for h in hf_names if h not in hf_state]
             if missing:
                 if row.optional:
@@ -106,6 +119,12 @@ def hf_to_lf(table, hf_state: dict, cfg) -> dict:
                 used.update(hf_names)
                 parts.append(_fuse(row, [hf_state[h] for h in hf_names], cfg))
             t = torch.stack(parts) if stacked else parts[0]
+            if lf_name in out:  # a second HF copy of one tensor (DeepSeek-V3's MTP modules repeat the embedding and head)
+                if not torch.equal(out[lf_name], t):
+                    raise UserError(
+                        f"HF checkpoint tensors {', '.join(slices[0])} and the one read before them differ; LoongForge shares {lf_name}"
+                    )
+                continue
             out[lf_name] = t.detach().clone().contiguous()
     unused = [k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq")]
     if getattr(cfg, "tie_word_embeddings", False):
@@ -129,7 +148,7 @@ def lf_to_hf(table, lf_state: dict, cfg) -> dict:
     """LoongForge TP=1 state dict -> HF state dict."""
     out = {}
     for row in table:
-        for lf_name, slices, stacked in _expand(row, repeats(cfg)):
+        for lf_name, slices, stacked in _expand(row, repeats(cfg), cfg):
             if lf_name not in lf_state:
                 if row.optional:
                     continue
@@ -158,7 +177,7 @@ def lora_to_peft(table, lf_state: dict, cfg) -> tuple[dict, list[str]]:
     for row in table:
         if not row.lf.endswith(".weight"):
             continue
-        for lf_name, slices, stacked in _expand(row, repeats(cfg)):
+        for lf_name, slices, stacked in _expand(row, repeats(cfg), cfg):
             base = lf_name.removesuffix("weight")
             if stacked or base + "lora_a" not in lf_state:  # (experts carry no adapters)
                 continue

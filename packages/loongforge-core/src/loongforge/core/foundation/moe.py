@@ -54,6 +54,11 @@ class _AttachLoss(torch.autograd.Function):
         return grad, torch.ones_like(loss)
 
 
+def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """`x` unchanged, with `loss` joining the backward of whatever consumes `x`."""
+    return _AttachLoss.apply(x, loss)
+
+
 @functools.cache
 def router_class():
     """megatron-core's `TopKRouter` whose auxiliary losses (load balancing per micro-batch or per

@@ -61,10 +61,14 @@ class ModelConfig:
     moe_group_top_k: int = 1  # groups each token may route to (HF topk_group)
     moe_scaling_factor: float = 1.0  # routed experts' combined output times this (HF routed_scaling_factor)
     moe_shared_experts: int = 0  # always-active experts of moe_ffn_hidden_size each, run as one MLP (HF n_shared_experts)
+    # multi-token prediction (DeepSeek-V3): modules after the decoder predicting 2, 3, ... tokens ahead
+    mtp_num_layers: int = 0  # (HF num_nextn_predict_layers)
+    mtp_loss_weight: float = 0.1  # training: their mean loss's weight beside the next-token loss
 
     def repeats(self) -> dict[str, int]:
-        """Placeholder counts of the family's mapping rows (`{i}`: decoder layers, `{e}`: experts)."""
-        return {"i": self.num_layers, "e": self.num_experts}
+        """Placeholder counts of the family's mapping rows (`{i}`: decoder layers, `{e}`: experts,
+        `{m}`: multi-token prediction modules)."""
+        return {"i": self.num_layers, "e": self.num_experts, "m": self.mtp_num_layers}
 
     def layer_kind(self, i: int) -> str:
         """'moe' or 'dense': what the MLP of decoder layer `i` (0-based) is."""
@@ -101,8 +105,8 @@ class ModelConfig:
             attn = q + kv + nq * self.v_head_dim * h
         else:
             attn = h * d * (nq + 2 * nkv) + nq * d * h + (2 * d if self.qk_norm else 0) + ((nq + 2 * nkv) * d if self.qkv_bias else 0)
-        total = 0
-        for i in range(self.num_layers):
+        total = self.mtp_num_layers * (2 * h * h + 3 * h)  # each MTP module's projection and norms (+ its layer, below)
+        for i in range(self.num_layers + self.mtp_num_layers):
             if self.layer_kind(i) == "moe":
                 mlp = self.num_experts * h + (experts_used + self.moe_shared_experts) * 3 * h * self.expert_ffn
             else:
@@ -125,12 +129,23 @@ class ModelConfig:
         `frozen_weights` (LoRA): no weight gradients, 4 * params (adapters not counted)."""
         per_param = 4.0 if frozen_weights else 6.0
         qk, v = self.attention_dims()
-        return per_param * self.num_active_params() + 6.0 * self.num_layers * self.num_attention_heads * (qk + v) * seq
+        layers = self.num_layers + self.mtp_num_layers
+        # (each MTP module uses the shared output layer once more)
+        head_reuse = self.mtp_num_layers * self.vocab_size * self.hidden_size
+        return per_param * (self.num_active_params() + head_reuse) + 6.0 * layers * self.num_attention_heads * (qk + v) * seq
 
 
-# The router's training options: a run takes them from its own `model` section whatever its
-# starting weights (an HF or LoongForge checkpoint gives the architecture, not how to train it).
-ROUTER_TRAINING_FIELDS = ("moe_aux_loss_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor", "moe_bias_update_rate")
+# The model section's training options (the router's losses and bias steps, the MTP loss weight):
+# a run takes them from its own config whatever its starting weights (an HF or LoongForge
+# checkpoint gives the architecture, not how to train it).
+MODEL_TRAINING_FIELDS = (
+    "moe_aux_loss_type",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_capacity_factor",
+    "moe_bias_update_rate",
+    "mtp_loss_weight",
+)
 
 
 @dataclass(frozen=True)
@@ -238,10 +253,26 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.d
 
 def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, ctx, lora=None, first_layer: int = 0):
     """megatron-core block spec for one pipeline stage of `num_layers` layers (global indices
-    from `first_layer`) on the process groups of `ctx` (a ParallelContext): megatron's parallel
-    linears, attention block and MLP or MoE block; every norm (the final one too), the rotary
-    attention core, the SwiGLU activation and the experts compute through the op table. Linears
-    that `lora` (a LoRAConfig) targets get their LoRA class."""
+    from `first_layer`) on the process groups of `ctx` (a ParallelContext); the layers are
+    `layer_spec`'s, the final norm the op table's."""
+    from loongforge.core.foundation.layers import RMSNorm
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+    layer = layer_spec(cfg, ops, ctx, lora)
+    norm = ModuleSpec(module=RMSNorm, params={"ops": ops})
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer(first_layer + j) for j in range(num_layers)], layer_norm=norm),
+    )
+
+
+def layer_spec(cfg: ModelConfig, ops: OpTable, ctx, lora=None):
+    """`spec(i)`: the megatron-core spec of decoder layer `i` (global index; an MTP module's layer
+    is numbered after the decoder's): megatron's parallel linears, attention block (grouped-query
+    or latent) and MLP or MoE block; every norm, the rotary attention core, the SwiGLU activation
+    and the experts compute through the op table. Linears that `lora` (a LoRAConfig) targets get
+    their LoRA class."""
     from loongforge.core.foundation.layers import (
         RMSNorm,
         RotarySDPAttention,
@@ -257,7 +288,6 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, ctx, lora=None, 
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
     norm = ModuleSpec(module=RMSNorm, params={"ops": ops})
@@ -348,10 +378,7 @@ def block_spec(cfg: ModelConfig, ops: OpTable, num_layers: int, ctx, lora=None, 
             ),
         )
 
-    return ModuleSpec(
-        module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer(first_layer + j) for j in range(num_layers)], layer_norm=norm),
-    )
+    return layer
 
 
 @functools.cache
@@ -364,9 +391,10 @@ def gpt_model_class():
     from megatron.core.models.gpt import GPTModel
 
     class LossWeightedGPTModel(GPTModel):
-        def __init__(self, *args, ops: OpTable | None = None, **kwargs):
+        def __init__(self, *args, ops: OpTable | None = None, multi_token_prediction=None, **kwargs):
             super().__init__(*args, **kwargs)
             self.ops = ops or OpTable()
+            self.multi_token_prediction = multi_token_prediction  # foundation.mtp's modules (training loss only)
 
         def _postprocess(self, hidden_states, **kw):
             labels, weights = kw.get("labels"), kw.get("loss_mask")
@@ -375,9 +403,17 @@ def gpt_model_class():
             if self.output_layer.tp_group.size() == 1:
                 weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else self.output_layer.weight
                 # hidden states are [s, b, h]; labels and weights [b, s]
-                return self.ops.linear_cross_entropy(
+                loss = self.ops.linear_cross_entropy(
                     hidden_states.reshape(-1, hidden_states.shape[-1]), weight, labels.t().reshape(-1), weights.t().reshape(-1).float()
                 )
+                if self.multi_token_prediction is not None:
+                    from loongforge.core.foundation.moe import attach_loss
+
+                    mtp = self.multi_token_prediction(
+                        hidden_states, kw["input_ids"], labels, weights, self.embedding, weight, kw.get("packed_seq_params")
+                    )
+                    loss = attach_loss(loss, mtp)  # in backward, not in the reported next-token loss
+                return loss
             per_token = super()._postprocess(hidden_states, **{**kw, "loss_mask": None})
             return (per_token.float() * weights).sum()
 
@@ -453,10 +489,22 @@ def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dt
         if n % ctx.tp_size:
             raise UserError(f"model.{name}={n} must be divisible by tensor_model_parallel_size={ctx.tp_size}")
     validate_moe(cfg, ctx.ep_size, ctx.tp_size)
+    if cfg.mtp_num_layers and (ctx.tp_size > 1 or ctx.pp_size > 1):
+        raise UserError(
+            f"model.mtp_num_layers={cfg.mtp_num_layers}: multi-token prediction runs at tensor_model_parallel_size=1 and "
+            "pipeline_model_parallel_size=1 for now (or set model.mtp_num_layers=0)"
+        )
     ops = ops or OpTable()
     per_stage = cfg.num_layers // ctx.pp_size
+    config = transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute, ctx.ep_size)
+    mtp = None
+    if cfg.mtp_num_layers:
+        from loongforge.core.foundation.mtp import mtp_class
+
+        mtp = mtp_class()(config, cfg, layer_spec(cfg, ops, ctx, lora), ctx.pg_collection(), ops)
     model = gpt_model_class()(
-        config=transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute, ctx.ep_size),
+        config=config,
+        multi_token_prediction=mtp,
         transformer_layer_spec=block_spec(cfg, ops, per_stage, ctx, lora, ctx.pp_rank * per_stage),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
