@@ -30,6 +30,7 @@ HF_CLASSES = {
     "qwen3": "Qwen3Config",
     "qwen3_moe": "Qwen3MoeConfig",
     "deepseek_v3": "DeepseekV3Config",
+    "glm4_moe": "Glm4MoeConfig",
 }
 
 

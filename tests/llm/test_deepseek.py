@@ -115,7 +115,7 @@ def test_greedy_generation_matches_hf(pair):
 
 
 def test_hf_lf_hf_roundtrip_is_bit_identical(pair, tmp_path):
-    _, d, _ = pair
+    hf, d, _ = pair
     hf_to_lf(d, tmp_path / "lf")
     lf_to_hf(tmp_path / "lf", tmp_path / "back")
     a, b = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
@@ -135,6 +135,27 @@ def test_hf_lf_hf_roundtrip_is_bit_identical(pair, tmp_path):
     ):
         assert c[key] == orig[key], key
     assert c["rope_parameters"]["rope_type"] == orig["rope_parameters"]["rope_type"]
+    # the export loads in transformers and computes what the original does
+    import transformers
+
+    x = torch.randint(0, 512, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()(x).logits, hf(x).logits)
+
+
+def test_kimi_k2_config_reads_as_deepseek_v3(pair, tmp_path):
+    """Kimi-K2's config.json is DeepSeek-V3's architecture under model_type kimi_k2 with remote-code
+    class names: it loads as the deepseek_v3 family and gives the same logits."""
+    hf, d, ours = pair
+    shutil.copytree(d, tmp_path / "kimi")
+    c = json.loads((tmp_path / "kimi" / "config.json").read_text())
+    c.update(model_type="kimi_k2", auto_map={"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(c))
+    kimi = load_model(tmp_path / "kimi")
+    assert kimi.family.name == "deepseek_v3"
+    x = torch.randint(0, 512, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(kimi(x), ours(x))
 
 
 # ---- training ----------------------------------------------------------------------------

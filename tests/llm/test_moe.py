@@ -75,7 +75,7 @@ def test_greedy_generation_matches_hf(pair):
 
 
 def test_hf_lf_hf_roundtrip_is_bit_identical(pair, tmp_path):
-    _, d, _ = pair
+    hf, d, _ = pair
     hf_to_lf(d, tmp_path / "lf")
     lf_to_hf(tmp_path / "lf", tmp_path / "back")
     a, b = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
@@ -88,6 +88,12 @@ def test_hf_lf_hf_roundtrip_is_bit_identical(pair, tmp_path):
     for key in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
         assert c[key] == orig[key], key
     assert c["num_experts"] == orig.get("num_experts", orig.get("num_local_experts"))
+    # the export loads in transformers and computes what the original does
+    import transformers
+
+    x = torch.randint(0, 512, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()(x).logits, hf(x).logits)
 
 
 # ---- training ----------------------------------------------------------------------------

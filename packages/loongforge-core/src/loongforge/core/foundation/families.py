@@ -69,6 +69,7 @@ HF_METADATA_KEYS = (
     "pad_token_id",
     "use_cache",
     "output_router_logits",
+    "auto_map",  # remote-code class names (Kimi-K2's config points at its copy of DeepSeek-V3's code)
     ("hidden_act", "silu"),
     ("attention_dropout", 0.0),
 )
@@ -127,19 +128,25 @@ DEEPSEEK_LAYER_ROWS = (*MLA_ROWS, *(dataclasses.replace(r, optional=True) for r 
 # enorm / hnorm / eh_proj / shared_head, and copies of the embedding and output head)
 M, HM = "multi_token_prediction.layers.{m}.", "model.layers.{m}."
 MTP_SHIFT = (("m", "num_layers"),)
-MTP_ROWS = (
-    *(
-        Row(r.lf.replace(L, M + "layer."), tuple(h.replace(H, HM) for h in r.hf), r.transform, r.optional, MTP_SHIFT)
-        for r in DEEPSEEK_LAYER_ROWS
-    ),
-    Row(M + "enorm.weight", (HM + "enorm.weight",), hf_shift=MTP_SHIFT),
-    Row(M + "hnorm.weight", (HM + "hnorm.weight",), hf_shift=MTP_SHIFT),
-    Row(M + "eh_proj.weight", (HM + "eh_proj.weight",), hf_shift=MTP_SHIFT),
-    Row(M + "final_layernorm.weight", (HM + "shared_head.norm.weight",), hf_shift=MTP_SHIFT),
-    Row("embedding.word_embeddings.weight", (HM + "embed_tokens.weight",), "copies", hf_shift=MTP_SHIFT),
-    Row("output_layer.weight", (HM + "shared_head.head.weight",), "copies", hf_shift=MTP_SHIFT),
-)
-DEEPSEEK_TABLE = (EMBEDDING_ROW, *DEEPSEEK_LAYER_ROWS, *OUTPUT_ROWS, *MTP_ROWS)
+
+
+def mtp_rows(layer_rows: tuple) -> tuple:
+    """The rows of the MTP modules of a family whose decoder layers map by `layer_rows`."""
+    return (
+        *(
+            Row(r.lf.replace(L, M + "layer."), tuple(h.replace(H, HM) for h in r.hf), r.transform, r.optional, MTP_SHIFT)
+            for r in layer_rows
+        ),
+        Row(M + "enorm.weight", (HM + "enorm.weight",), hf_shift=MTP_SHIFT),
+        Row(M + "hnorm.weight", (HM + "hnorm.weight",), hf_shift=MTP_SHIFT),
+        Row(M + "eh_proj.weight", (HM + "eh_proj.weight",), hf_shift=MTP_SHIFT),
+        Row(M + "final_layernorm.weight", (HM + "shared_head.norm.weight",), hf_shift=MTP_SHIFT),
+        Row("embedding.word_embeddings.weight", (HM + "embed_tokens.weight",), "copies", hf_shift=MTP_SHIFT),
+        Row("output_layer.weight", (HM + "shared_head.head.weight",), "copies", hf_shift=MTP_SHIFT),
+    )
+
+
+DEEPSEEK_TABLE = (EMBEDDING_ROW, *DEEPSEEK_LAYER_ROWS, *OUTPUT_ROWS, *mtp_rows(DEEPSEEK_LAYER_ROWS))
 
 
 def _first_layers(layers: list) -> int:
@@ -189,6 +196,36 @@ DEEPSEEK_V3 = FamilySpec(
     ),
     moe_score_function="sigmoid",
     moe_expert_bias=True,
+    hf_model_type_aliases=("kimi_k2",),  # Kimi-K2: DeepSeek-V3's architecture with other numbers
 )
 
-FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3)
+# GLM-4.5: grouped-query attention (q/k/v bias, half the head dims rotated, optional q/k norm)
+# under DeepSeek-V3's MoE (sigmoid routing with the expert bias, shared experts, first dense
+# layers) and multi-token prediction
+GLM_LAYER_ROWS = (*ATTENTION_ROWS, *(dataclasses.replace(r, optional=True) for r in DENSE_MLP_ROWS + DEEPSEEK_MOE_ROWS))
+GLM4_MOE = FamilySpec(
+    "glm4_moe",
+    "glm4_moe",
+    "Glm4MoeForCausalLM",
+    qkv_bias=False,
+    qk_norm=False,
+    mapping=(EMBEDDING_ROW, *GLM_LAYER_ROWS, *OUTPUT_ROWS, *mtp_rows(GLM_LAYER_ROWS)),
+    hf_fields=(
+        ("n_routed_experts|num_local_experts", "num_experts"),
+        ("num_experts_per_tok", "moe_top_k"),
+        ("moe_intermediate_size", "moe_ffn_hidden_size"),
+        ("norm_topk_prob", "moe_norm_topk_prob"),
+        ("first_k_dense_replace", "moe_dense_layers", lambda k: list(range(k)), _first_layers),
+        ("n_group", "moe_groups"),
+        ("topk_group", "moe_group_top_k"),
+        ("routed_scaling_factor", "moe_scaling_factor"),
+        ("n_shared_experts", "moe_shared_experts"),
+        ("use_qk_norm", "qk_norm"),
+        ("num_nextn_predict_layers|num_mtp_layers", "mtp_num_layers"),
+    ),
+    hf_other_keys=(*HF_METADATA_KEYS, ("pretraining_tp", 1)),
+    moe_score_function="sigmoid",
+    moe_expert_bias=True,
+)
+
+FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE)

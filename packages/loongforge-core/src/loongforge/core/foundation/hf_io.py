@@ -30,7 +30,7 @@ def read_hf_config(hf_dir, families: dict[str, FamilySpec], section: str | None 
         if not isinstance(c.get(section), dict):
             raise UserError(f"{path}: no {section!r} section")
         c = c[section]
-    by_type = {f.hf_model_type: f for f in families.values()}
+    by_type = {t: f for f in families.values() for t in (f.hf_model_type, *f.hf_model_type_aliases)}
     mt = c.get("model_type")
     if mt not in by_type:
         raise UserError(f"{hf_dir}: unknown model_type {mt!r}; supported: {', '.join(sorted(by_type))}")
@@ -42,7 +42,7 @@ def read_hf_config(hf_dir, families: dict[str, FamilySpec], section: str | None 
     scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
     heads = c["num_attention_heads"]
     check_hf_keys(c, fam, hf_dir)
-    cfg = ModelConfig(
+    fields = dict(
         family=fam.name,
         num_layers=c["num_hidden_layers"],
         hidden_size=c["hidden_size"],
@@ -60,9 +60,9 @@ def read_hf_config(hf_dir, families: dict[str, FamilySpec], section: str | None 
         qkv_bias=bool(c.get(fam.hf_qkv_bias_key, fam.qkv_bias)) if fam.hf_qkv_bias_key else fam.qkv_bias,
         qk_norm=fam.qk_norm,
         init_std=c.get("initializer_range", 0.02),
-        **{row[1]: _hf_value(row, c[k], "read") for row in fam.hf_fields for k in reversed(row[0].split("|")) if k in c},
     )
-    return fam, cfg
+    fields.update({row[1]: _hf_value(row, c[k], "read") for row in fam.hf_fields for k in reversed(row[0].split("|")) if k in c})
+    return fam, ModelConfig(**fields)
 
 
 def _hf_value(row: tuple, value, direction: str):

@@ -169,6 +169,7 @@ class FamilySpec:
     # the only other keys a config may hold (named in an error otherwise), each as "key" (any
     # value) or ("key", value) (a feature LoongForge does not implement unless it has this value)
     hf_other_keys: Optional[tuple] = None
+    hf_model_type_aliases: tuple = ()  # other model_type values of configs this family reads (exports use hf_model_type)
     moe_score_function: str = "softmax"  # the router's score over experts
     moe_expert_bias: bool = False  # aux-loss-free balancing bias (needs sigmoid scores)
 
