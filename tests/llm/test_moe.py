@@ -279,3 +279,42 @@ def test_hf_config_features_we_do_not_implement_are_named(change, needles, hf_mo
     (d / "config.json").write_text(json.dumps(c))
     _one_line_error(run_cli(["convert", "hf-to-lf", str(d), str(tmp_path / "out")]), *needles)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_lora_on_a_moe_model_exports_peft_that_transformers_loads(hf_moe, rows_file, tmp_path):
+    """LoRA SFT on Qwen3-MoE: adapters on the attention linears (router and experts frozen and
+    adapter-free); peft on HF's Qwen3MoeForCausalLM with the exported adapter and the merged
+    export both give our logits."""
+    import peft
+    import transformers
+
+    r = run_cli(
+        [
+            "train",
+            "lora",
+            "train.train_iters=3",
+            "train.lr_warmup_iters=0",
+            "lora.dropout=0.0",
+            "lora.target_modules=[linear_qkv,linear_proj]",
+            "data.seq_length=256",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=3",
+            f"data.datasets=[{{path: {rows_file}, format: alpaca}}]",
+            f"checkpoint.load={hf_moe}",
+            f"checkpoint.run_dir={tmp_path}",
+        ]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    targets = json.loads((tmp_path / "hf_adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(targets) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    ours = load_model(tmp_path)(ids)
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(hf_moe), dtype=torch.float32).eval()
+        base_logits = base(ids).logits
+        theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "hf_adapter")).eval()(ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()(ids).logits
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(base_logits, ours) > 1e-3  # the adapters changed the model
+    assert rel(theirs, ours) < 1e-5 and rel(merged, ours) < 1e-5, (rel(theirs, ours), rel(merged, ours))
