@@ -138,6 +138,26 @@ def test_training_logs_router_losses_and_expert_load(single):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
+def test_capacity_factor_drops_tokens_only_past_capacity(single, hf_moe, tmp_path):
+    """A capacity no expert reaches gives the dropless run's losses (through megatron-core's
+    token-dropping dispatcher); a tight one drops tokens and changes them."""
+    _train(tmp_path / "wide", hf_moe, "model.moe_capacity_factor=100", steps=2)
+    _train(tmp_path / "tight", hf_moe, "model.moe_capacity_factor=0.5", steps=2)
+    want, wide, tight = losses(single), losses(tmp_path / "wide"), losses(tmp_path / "tight")
+    for step in (1, 2):
+        assert abs(wide[step] - want[step]) <= 1e-5 * abs(want[step]), (step, wide[step], want[step])
+    assert abs(tight[1] - want[1]) > 1e-4 * abs(want[1])
+
+
+@pytest.mark.parametrize("kind", ["seq_aux_loss", "global_aux_loss"])
+def test_other_load_balancing_losses_train_and_are_logged(kind, hf_moe, tmp_path):
+    _train(tmp_path, hf_moe, f"model.moe_aux_loss_type={kind}", steps=2)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    name = {"seq_aux_loss": "seq_load_balancing_loss", "global_aux_loss": "global_load_balancing_loss"}[kind]
+    assert all(0.5 < r[f"moe/layer{n}/{name}"] < 8.0 for r in rows for n in (1, 2))
+    assert "moe/layer1/load_balancing_loss" not in rows[0]
+
+
 @pytest.mark.slow
 def test_expert_parallel_two_processes_match_one(single, hf_moe, tmp_path):
     _train(tmp_path, hf_moe, "train.save_interval=2", "parallel.expert_model_parallel_size=2", nproc=2)
@@ -244,7 +264,7 @@ MOE_TINY = ["model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidd
         (["model.moe_top_k=5"], 1, ["model.moe_top_k=5", "model.num_experts=4"]),
         (["model.num_experts=6", "parallel.expert_model_parallel_size=4"], 1, ["expert_model_parallel_size=4", "world size 1"]),
         (["model.num_experts=5", "parallel.expert_model_parallel_size=2"], 2, ["expert_model_parallel_size=2", "num_experts=5"]),
-        (["model.moe_aux_loss_type=global"], 1, ["model.moe_aux_loss_type='global'", "aux_loss, seq_aux_loss, none"]),
+        (["model.moe_aux_loss_type=global"], 1, ["model.moe_aux_loss_type='global'", "aux_loss, seq_aux_loss, global_aux_loss, none"]),
         (["model.moe_dense_layers=[7]"], 1, ["model.moe_dense_layers", "layer 7"]),
         (["model.num_experts=0", "parallel.expert_model_parallel_size=2"], 2, ["needs a MoE model"]),
         (["parallel.tensor_model_parallel_size=2"], 2, ["tensor_model_parallel_size=2", "expert_model_parallel_size"]),

@@ -143,6 +143,15 @@ def moe_metrics(model_routers: list, weight: torch.Tensor) -> dict[str, torch.Te
     return out
 
 
+def finish_step(model: nn.Module, group) -> None:
+    """What a step's end owes the routers once its gradients are final (megatron-core does it in
+    its `finalize_model_grads`, which this trainer does not use): the expert-bias update, and the
+    global aux loss's token counts (accumulated over the step's micro-batches) restarted."""
+    update_expert_biases(model, group)
+    for r in routers(model):
+        r.reset_global_aux_loss_tracker()
+
+
 @torch.no_grad()
 def update_expert_biases(model: nn.Module, group) -> None:
     """The aux-loss-free balancing step (DeepSeek-V3): each router with an expert bias moves it

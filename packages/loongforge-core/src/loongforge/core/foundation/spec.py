@@ -50,7 +50,9 @@ class ModelConfig:
     moe_norm_topk_prob: bool = True  # top-k probabilities renormalized to sum to 1 (false: the softmax over all experts)
     moe_layer_step: int = 1  # every moe_layer_step-th layer is MoE (HF decoder_sparse_step)
     moe_dense_layers: List[int] = field(default_factory=list)  # layers kept dense (HF mlp_only_layers)
-    moe_aux_loss_type: str = "aux_loss"  # aux_loss (over each micro-batch) | seq_aux_loss (per sequence) | none
+    moe_aux_loss_type: str = (
+        "aux_loss"  # aux_loss (over each micro-batch) | seq_aux_loss (per sequence) | global_aux_loss (over the step's global batch) | none
+    )
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight
     moe_z_loss_coeff: float = 0.0  # router z-loss weight
     moe_capacity_factor: Optional[float] = None  # None: dropless; > 0: tokens over capacity * tokens/experts are dropped
@@ -421,7 +423,7 @@ def gpt_model_class():
     return LossWeightedGPTModel
 
 
-AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "none")
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 
 def validate_moe(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from loongforge.core.checkpoint import load_full_state, load_megatron, save_megatron
-from loongforge.core.foundation.moe import is_expert_param, replan_experts, update_expert_biases
+from loongforge.core.foundation.moe import finish_step, is_expert_param, replan_experts
 from loongforge.core.stacks.base import Select, TrainStack
 from loongforge.core.stacks.grads import all_reduce_mean, grad_sq_norm, param_groups
 from loongforge.core.train.pipeline import forward_backward
@@ -93,7 +93,7 @@ class MegatronStack(TrainStack):
             # dispatcher gathered them): summed over the ranks holding the same experts, they
             # cover the global batch once; / dp_size makes them the mean the dense ones are
             all_reduce_mean(expert_grads, ctx.expert_dp_group, ctx.dp_size)
-        update_expert_biases(model, ctx.dp_group)
+        finish_step(model, ctx.dp_group)
         self._finalized += 1
         if self.expert_replication is not None and self._finalized % self.expert_replication[1] == 0:
             spare, _, per_node = self.expert_replication
