@@ -55,6 +55,54 @@ def make_hf_model(family: str, out: Path, seed: int = 0, **overrides):
     return model
 
 
+def spread_router(hf, seed: int = 1) -> None:
+    """An HF MoE model's router weights (and DeepSeek-style expert biases) large enough that the
+    choice of experts differs between tokens and depends on the bias (HF initializes routers
+    with std 0.02, which routes almost uniformly, and the bias at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None:
+                continue
+            gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
+            if getattr(gate, "e_score_correction_bias", None) is not None:
+                gate.e_score_correction_bias.copy_(0.2 * torch.randn(gate.e_score_correction_bias.shape, generator=g))
+
+
+def logits_error(hf, ours, x) -> float:
+    """Largest difference between HF's and our fp32 logits on tokens `x`, relative to HF's largest."""
+    with torch.no_grad():
+        want, got = hf(x).logits, ours(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def assert_greedy_matches_hf(hf, ours, new_tokens: int = 8) -> None:
+    prompt = torch.tensor([[5, 17, 33, 2, 90]])
+    want = hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, new_tokens), want)
+
+
+def assert_round_trip(hf, hf_dir: Path, tmp_path: Path) -> dict:
+    """HF -> LoongForge -> HF gives every tensor bit-identical, and the exported directory loads in
+    transformers with the original's logits. Returns the exported config.json."""
+    import transformers
+    from loongforge.llm.model_io import hf_to_lf, lf_to_hf
+    from safetensors.torch import load_file
+
+    hf_to_lf(hf_dir, tmp_path / "lf")
+    lf_to_hf(tmp_path / "lf", tmp_path / "back")
+    a, b = load_file(str(hf_dir / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    x = torch.randint(0, hf.config.vocab_size, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()(x).logits, hf(x).logits)
+    return json.loads((tmp_path / "back" / "config.json").read_text())
+
+
 def cli_env() -> dict:
     env = dict(os.environ)
     env.setdefault("LOONGFORGE_DEVICE", "cpu")

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from conftest import make_hf_model
+from conftest import assert_greedy_matches_hf, assert_round_trip, logits_error, make_hf_model
 from loongforge.llm import load_model
-from loongforge.llm.model_io import hf_to_lf, lf_to_hf
-from safetensors.torch import load_file
+from loongforge.llm.model_io import hf_to_lf
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -34,29 +33,16 @@ def pair(request, tmp_path_factory):
 def test_logits_match_hf(pair):
     hf, _, ours = pair
     torch.manual_seed(1)
-    x = torch.randint(0, 512, (2, 48))
-    with torch.no_grad():
-        want, got = hf(x).logits, ours(x)
-    assert got.shape == (2, 48, 512) and got.dtype == torch.float32
-    rel = (got - want).abs().max() / want.abs().max()
-    assert rel < 1e-5, f"max relative difference {rel:.3e}"
+    assert logits_error(hf, ours, torch.randint(0, 512, (2, 48))) < 1e-5
 
 
 def test_greedy_generation_matches_hf(pair):
-    hf, _, ours = pair
-    prompt = torch.tensor([[5, 17, 33, 2, 90]])
-    want = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(ours.generate(prompt, 8), want)
+    assert_greedy_matches_hf(pair[0], pair[2])
 
 
 def test_hf_lf_hf_roundtrip_is_bit_identical(pair, tmp_path):
-    _, d, _ = pair
-    hf_to_lf(d, tmp_path / "lf")
-    lf_to_hf(tmp_path / "lf", tmp_path / "back")
-    a, b = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    hf, d, _ = pair
+    assert_round_trip(hf, d, tmp_path)
 
 
 def test_checkpoint_loads_with_same_logits(pair, tmp_path):

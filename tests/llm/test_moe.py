@@ -7,9 +7,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import FAST, losses, make_hf_model, run_cli
+from conftest import FAST, assert_greedy_matches_hf, assert_round_trip, logits_error, losses, make_hf_model, run_cli, spread_router
 from loongforge.llm import load_model
-from loongforge.llm.model_io import hf_to_lf, lf_to_hf
 from safetensors.torch import load_file
 
 MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16)
@@ -21,39 +20,22 @@ CASES = {
 }
 
 
-def _spread_router(hf, seed=1):
-    """Router weights large enough that the top-k choice differs from token to token and the
-    probabilities are far from uniform (the HF init std of 0.02 routes almost uniformly)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None:
-                gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
-
-
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     hf = make_hf_model("qwen3_moe", d / "init", **MOE, **CASES[request.param])
-    _spread_router(hf)
+    spread_router(hf)
     hf.save_pretrained(str(d / "hf"))
     return hf, d / "hf", load_model(d / "hf")
 
 
 def test_logits_match_hf(pair):
-    hf, _, ours = pair
+    hf, d, ours = pair
     torch.manual_seed(1)
     x = torch.randint(0, 512, (2, 48))
-    with torch.no_grad():
-        want, got = hf(x).logits, ours(x)
-    assert got.shape == (2, 48, 512)
-    rel = (got - want).abs().max() / want.abs().max()
-    assert rel < 1e-5, f"max relative difference {rel:.3e}"
+    assert logits_error(hf, ours, x) < 1e-5
     # negative control: the other renormalization gives other logits
-    other = load_model_with(pair[1], norm_topk_prob=not hf.config.norm_topk_prob)
-    with torch.no_grad():
-        assert (other(x) - want).abs().max() / want.abs().max() > 1e-3
+    assert logits_error(hf, load_model_with(d, norm_topk_prob=not hf.config.norm_topk_prob), x) > 1e-3
 
 
 def load_model_with(hf_dir, **changes):
@@ -68,32 +50,18 @@ def load_model_with(hf_dir, **changes):
 
 
 def test_greedy_generation_matches_hf(pair):
-    hf, _, ours = pair
-    prompt = torch.tensor([[5, 17, 33, 2, 90]])
-    want = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(ours.generate(prompt, 8), want)
+    assert_greedy_matches_hf(pair[0], pair[2])
 
 
 def test_hf_lf_hf_roundtrip_is_bit_identical(pair, tmp_path):
     hf, d, _ = pair
-    hf_to_lf(d, tmp_path / "lf")
-    lf_to_hf(tmp_path / "lf", tmp_path / "back")
-    a, b = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert set(a) == set(b) and any(".experts.7.down_proj" in k for k in a)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    c = assert_round_trip(hf, d, tmp_path)
+    assert any(".experts.7.down_proj" in k for k in load_file(str(d / "model.safetensors")))
     # the exported config names the MoE layout as HF does
-    c = json.loads((tmp_path / "back" / "config.json").read_text())
     orig = json.loads((d / "config.json").read_text())
     for key in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
         assert c[key] == orig[key], key
     assert c["num_experts"] == orig.get("num_experts", orig.get("num_local_experts"))
-    # the export loads in transformers and computes what the original does
-    import transformers
-
-    x = torch.randint(0, 512, (1, 24))
-    with torch.no_grad():
-        assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()(x).logits, hf(x).logits)
 
 
 # ---- training ----------------------------------------------------------------------------
@@ -107,7 +75,7 @@ def hf_moe(tmp_path_factory):
     """A 3-layer Qwen3-MoE over the tiny tokenizer's vocabulary: a dense first layer, 8 experts, top-2."""
     d = tmp_path_factory.mktemp("hf_moe")
     hf = make_hf_model("qwen3_moe", d / "init", **MOE, num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=True)
-    _spread_router(hf)
+    spread_router(hf)
     hf.save_pretrained(str(d / "hf"))
     return d / "hf"
 

@@ -223,6 +223,12 @@ def megatron_local_step(mcfg, tokens):
         .cuda()
         .bfloat16()
     )
+    return megatron_train_step(model, tokens)
+
+
+def megatron_train_step(model, tokens):
+    """A step of a megatron-core GPTModel as Megatron users train it here: the mean token loss,
+    fused AdamW, clipping at 1.0."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     labels = tokens.roll(-1, 1)
 
@@ -237,8 +243,7 @@ def megatron_local_step(mcfg, tokens):
 
 
 def hf_step(mcfg, tokens, compile_: bool, checkpointing: bool = False, fp32_params: bool = False):
-    """HF's model trained as HF users do: pure bf16 (`.bfloat16()`), or with `fp32_params` fp32 parameters
-    under bf16 autocast (what the HF Trainer's bf16 flag does)."""
+    """HF's LlamaForCausalLM trained as HF users do (see `hf_train_step`)."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -252,9 +257,18 @@ def hf_step(mcfg, tokens, compile_: bool, checkpointing: bool = False, fp32_para
         attn_implementation="sdpa",
         use_cache=False,
     )
+    return hf_train_step(cfg, tokens, compile_, checkpointing, fp32_params)
+
+
+def hf_train_step(cfg, tokens, compile_: bool, checkpointing: bool = False, fp32_params: bool = False):
+    """A step of the HF causal LM of config `cfg` trained as HF users do: pure bf16
+    (`.bfloat16()`), or with `fp32_params` fp32 parameters under bf16 autocast (what the HF
+    Trainer's bf16 flag does); fused AdamW, clipping at 1.0, optionally `torch.compile`."""
+    import transformers
+
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(cfg).train()
+        model = transformers.AutoModelForCausalLM.from_config(cfg).train()
     if not fp32_params:
         model = model.bfloat16()
     if checkpointing:

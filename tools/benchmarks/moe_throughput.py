@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llm_throughput import loongforge_step, timed  # noqa: E402
+from llm_throughput import hf_train_step, loongforge_step, megatron_train_step, timed  # noqa: E402
 
 
 def parse():
@@ -92,6 +92,7 @@ def model_config(a):
 
 
 def hf_step(mcfg, tokens, compile_: bool):
+    """HF's Qwen3MoeForCausalLM of the same shape, pure bf16 (`llm_throughput.hf_train_step`)."""
     import transformers
 
     cfg = transformers.Qwen3MoeConfig(
@@ -115,21 +116,9 @@ def hf_step(mcfg, tokens, compile_: bool):
         attn_implementation="sdpa",
         use_cache=False,
     )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.Qwen3MoeForCausalLM(cfg).train().bfloat16()
-    print(f"  hf experts implementation: {getattr(model.config, '_experts_implementation', None)!r}", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    fwd = torch.compile(model) if compile_ else model
-    labels = tokens.clone()
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        fwd(input_ids=tokens, labels=labels).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-
-    return step, (model, opt, fwd)
+    step, keep = hf_train_step(cfg, tokens, compile_)
+    print(f"  hf experts implementation: {getattr(keep[0].config, '_experts_implementation', None)!r}", flush=True)
+    return step, keep
 
 
 def megatron_moe_step(mcfg, tokens):
@@ -159,17 +148,7 @@ def megatron_moe_step(mcfg, tokens):
         .cuda()
         .bfloat16()
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    labels = tokens.roll(-1, 1)
-
-    def step():
-        for p in model.parameters():
-            p.grad = None
-        model(tokens, None, None, labels=labels).float().mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-
-    return step, (model, opt)
+    return megatron_train_step(model, tokens)
 
 
 CATEGORIES = (

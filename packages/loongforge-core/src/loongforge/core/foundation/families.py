@@ -156,6 +156,20 @@ def _first_layers(layers: list) -> int:
     return len(layers)
 
 
+# the MoE and MTP keys of DeepSeek-V3-style HF configs (DeepSeek-V3, GLM-4.5)
+DEEPSEEK_MOE_FIELDS = (
+    ("n_routed_experts|num_local_experts", "num_experts"),
+    ("num_experts_per_tok", "moe_top_k"),
+    ("moe_intermediate_size", "moe_ffn_hidden_size"),
+    ("norm_topk_prob", "moe_norm_topk_prob"),
+    ("first_k_dense_replace", "moe_dense_layers", lambda k: list(range(k)), _first_layers),
+    ("n_group", "moe_groups"),
+    ("topk_group", "moe_group_top_k"),
+    ("routed_scaling_factor", "moe_scaling_factor"),
+    ("n_shared_experts", "moe_shared_experts"),
+    ("num_nextn_predict_layers|num_mtp_layers", "mtp_num_layers"),
+)
+
 DEEPSEEK_V3 = FamilySpec(
     "deepseek_v3",
     "deepseek_v3",
@@ -165,22 +179,13 @@ DEEPSEEK_V3 = FamilySpec(
     mapping=DEEPSEEK_TABLE,
     hf_qkv_bias_key=None,
     hf_fields=(
-        ("n_routed_experts|num_local_experts", "num_experts"),
-        ("num_experts_per_tok", "moe_top_k"),
-        ("moe_intermediate_size", "moe_ffn_hidden_size"),
-        ("norm_topk_prob", "moe_norm_topk_prob"),
-        ("first_k_dense_replace", "moe_dense_layers", lambda k: list(range(k)), _first_layers),
-        ("n_group", "moe_groups"),
-        ("topk_group", "moe_group_top_k"),
-        ("routed_scaling_factor", "moe_scaling_factor"),
-        ("n_shared_experts", "moe_shared_experts"),
+        *DEEPSEEK_MOE_FIELDS,
         ("q_lora_rank", "q_lora_rank"),
         ("kv_lora_rank", "kv_lora_rank"),
         ("qk_nope_head_dim", "qk_nope_head_dim"),
         ("qk_rope_head_dim", "qk_rope_head_dim"),
         ("v_head_dim", "v_head_dim"),
         ("rope_interleave", "rope_interleave"),
-        ("num_nextn_predict_layers|num_mtp_layers", "mtp_num_layers"),
     ),
     hf_other_keys=(
         *HF_METADATA_KEYS,
@@ -211,17 +216,8 @@ GLM4_MOE = FamilySpec(
     qk_norm=False,
     mapping=(EMBEDDING_ROW, *GLM_LAYER_ROWS, *OUTPUT_ROWS, *mtp_rows(GLM_LAYER_ROWS)),
     hf_fields=(
-        ("n_routed_experts|num_local_experts", "num_experts"),
-        ("num_experts_per_tok", "moe_top_k"),
-        ("moe_intermediate_size", "moe_ffn_hidden_size"),
-        ("norm_topk_prob", "moe_norm_topk_prob"),
-        ("first_k_dense_replace", "moe_dense_layers", lambda k: list(range(k)), _first_layers),
-        ("n_group", "moe_groups"),
-        ("topk_group", "moe_group_top_k"),
-        ("routed_scaling_factor", "moe_scaling_factor"),
-        ("n_shared_experts", "moe_shared_experts"),
+        *DEEPSEEK_MOE_FIELDS,
         ("use_qk_norm", "qk_norm"),
-        ("num_nextn_predict_layers|num_mtp_layers", "mtp_num_layers"),
     ),
     hf_other_keys=(*HF_METADATA_KEYS, ("pretraining_tp", 1)),
     moe_score_function="sigmoid",
