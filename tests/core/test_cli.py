@@ -26,7 +26,7 @@ def test_info_lists_packages_components_recipes_configs_and_devices():
         "loongforge-core 0.1.0",
         "loongforge-llm 0.1.0",
         "loongforge-kernels 0.1.0",
-        "family: llama, qwen2, qwen3",
+        "family: deepseek_v3, glm4_moe, llama, qwen2, qwen3, qwen3_moe",
         "recipe: embodied.pi, llm.pretrain, llm.sft",
         "cpu: available",
         "device cpu:",
@@ -77,7 +77,7 @@ def test_train_unknown_recipe_and_config_are_one_line_errors():
     r = run_cli(["train", "tiny", "recipe=llm.pretrian"], module=CORE)
     _one_line_error(r, "unknown recipe 'llm.pretrian'", "did you mean 'llm.pretrain'")
     _one_line_error(run_cli(["train", "tiny", "recipe=sfft"], module=CORE), "unknown recipe 'sfft'", "did you mean 'sft'")
-    _one_line_error(run_cli(["train", "tiny_typo"], module=CORE), "unknown config 'tiny_typo'", "did you mean 'tiny'")
+    _one_line_error(run_cli(["train", "tinny"], module=CORE), "unknown config 'tinny'", "did you mean 'tiny'")
     _one_line_error(run_cli(["train", "llm/tinny"], module=CORE), "config file not found: llm/tinny", "did you mean 'llm/tiny'")
 
 

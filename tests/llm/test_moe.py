@@ -3,6 +3,7 @@ configs (logits, greedy tokens, HF -> LF -> HF), training with the router's loss
 metrics, EP=2 on 2 gloo processes against EP=1, resume across EP sizes, and bad input."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -126,16 +127,23 @@ def test_other_load_balancing_losses_train_and_are_logged(kind, hf_moe, tmp_path
     assert "moe/layer1/load_balancing_loss" not in rows[0]
 
 
+@pytest.fixture(scope="module")
+def ep2(hf_moe, tmp_path_factory):
+    """The same run at EP=2 on 2 gloo processes (data parallel 2 for everything but the experts)."""
+    d = tmp_path_factory.mktemp("moe_ep2")
+    _train(d, hf_moe, "train.save_interval=2", "parallel.expert_model_parallel_size=2", nproc=2)
+    return d
+
+
 @pytest.mark.slow
-def test_expert_parallel_two_processes_match_one(single, hf_moe, tmp_path):
-    _train(tmp_path, hf_moe, "train.save_interval=2", "parallel.expert_model_parallel_size=2", nproc=2)
-    manifest = json.loads((tmp_path / "checkpoints" / "step_00000004" / "manifest.json").read_text())
+def test_expert_parallel_two_processes_match_one(single, ep2):
+    manifest = json.loads((ep2 / "checkpoints" / "step_00000004" / "manifest.json").read_text())
     assert manifest["parallel"]["expert_model_parallel_size"] == 2 and manifest["parallel"]["data_parallel_size"] == 2
-    want, got = losses(single), losses(tmp_path)
+    want, got = losses(single), losses(ep2)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (ep2 / "metrics.jsonl").read_text().splitlines()]
     one = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()]
     assert abs(rows[-1]["grad_norm"] - one[-1]["grad_norm"]) <= 1e-5 * one[-1]["grad_norm"]
 
@@ -198,11 +206,8 @@ def _cut_to_step_2(src, dst):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("saved_ep,resumed_ep", [(2, 1), (1, 2)])
-def test_resume_at_another_expert_parallel_size(saved_ep, resumed_ep, single, hf_moe, tmp_path):
-    src = single
-    if saved_ep == 2:
-        src = tmp_path / "ep2"
-        _train(src, hf_moe, "train.save_interval=2", "parallel.expert_model_parallel_size=2", nproc=2)
+def test_resume_at_another_expert_parallel_size(saved_ep, resumed_ep, single, ep2, hf_moe, tmp_path):
+    src = ep2 if saved_ep == 2 else single
     d = tmp_path / "resumed"
     _cut_to_step_2(src, d)
     r = _train(d, hf_moe, "train.save_interval=2", f"parallel.expert_model_parallel_size={resumed_ep}", nproc=resumed_ep)
@@ -232,15 +237,12 @@ MOE_TINY = ["model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidd
         (["model.moe_top_k=5"], 1, ["model.moe_top_k=5", "model.num_experts=4"]),
         (["model.num_experts=6", "parallel.expert_model_parallel_size=4"], 1, ["expert_model_parallel_size=4", "world size 1"]),
         (["model.num_experts=5", "parallel.expert_model_parallel_size=2"], 2, ["expert_model_parallel_size=2", "num_experts=5"]),
-        (["model.moe_aux_loss_type=global"], 1, ["model.moe_aux_loss_type='global'", "aux_loss, seq_aux_loss, global_aux_loss, none"]),
-        (["model.moe_dense_layers=[7]"], 1, ["model.moe_dense_layers", "layer 7"]),
-        (["model.num_experts=0", "parallel.expert_model_parallel_size=2"], 2, ["needs a MoE model"]),
-        (["parallel.tensor_model_parallel_size=2"], 2, ["tensor_model_parallel_size=2", "expert_model_parallel_size"]),
         (["parallel.expert_spare_slots=1"], 1, ["expert_spare_slots=1", "expert_model_parallel_size > 1"]),
-        (["parallel.stack=torch"], 1, ["qwen3_moe family", "parallel.stack=megatron"]),
     ],
 )
-def test_bad_moe_settings(extra, nproc, needles, tmp_path):
+def test_bad_moe_settings_on_the_cli(extra, nproc, needles, tmp_path):
+    """One case per place the CLI checks MoE settings (the model config, the process layout, the
+    layout against the model, the replication options): one line, exit 2, nothing written."""
     r = run_cli(["train", "tiny", *FAST, "train.train_iters=2", f"checkpoint.run_dir={tmp_path / 'run'}", *MOE_TINY, *extra], nproc=nproc)
     if nproc == 1:
         _one_line_error(r, *needles)
@@ -250,6 +252,46 @@ def test_bad_moe_settings(extra, nproc, needles, tmp_path):
         assert len(errors) == 1, r.stderr[-3000:]
         assert all(n in next(iter(errors)) for n in needles), errors
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    "change,ep,tp,needle",
+    [
+        (
+            dict(moe_aux_loss_type="global"),
+            1,
+            1,
+            "model.moe_aux_loss_type='global': choose one of aux_loss, seq_aux_loss, global_aux_loss, none",
+        ),
+        (dict(moe_dense_layers=[7]), 1, 1, "model.moe_dense_layers: layer 7 does not exist"),
+        (dict(num_experts=0), 2, 1, "needs a MoE model"),
+        (dict(), 1, 2, "MoE models run at tensor_model_parallel_size=1"),
+        (dict(moe_score_function="relu"), 1, 1, "model.moe_score_function='relu'"),
+        (dict(moe_expert_bias=True), 1, 1, "moe_expert_bias=true needs model.moe_score_function=sigmoid"),
+        (dict(moe_score_function="sigmoid", moe_norm_topk_prob=False), 1, 1, "moe_norm_topk_prob=false with sigmoid"),
+        (dict(moe_groups=3), 1, 1, "the groups must divide model.num_experts=4"),
+        (dict(moe_groups=2, moe_group_top_k=2, moe_top_k=2), 1, 1, "needs moe_top_k = 2 * moe_group_top_k"),
+        (dict(moe_capacity_factor=0.0), 1, 1, "model.moe_capacity_factor=0.0 must be > 0"),
+    ],
+)
+def test_bad_moe_settings_are_named(change, ep, tp, needle):
+    from loongforge.core.errors import UserError
+    from loongforge.core.foundation.families import QWEN3_MOE
+    from loongforge.core.foundation.spec import ModelConfig, validate_moe
+
+    cfg = QWEN3_MOE.resolve(ModelConfig(**{"family": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 32, **change}))
+    with pytest.raises(UserError, match=re.escape(needle)):
+        validate_moe(cfg, ep, tp)
+
+
+def test_moe_families_refuse_the_torch_stack(tmp_path):
+    _one_line_error(
+        run_cli(
+            ["train", "tiny", *FAST, "train.train_iters=2", f"checkpoint.run_dir={tmp_path / 'run'}", *MOE_TINY, "parallel.stack=torch"]
+        ),
+        "qwen3_moe family",
+        "parallel.stack=megatron",
+    )
 
 
 @pytest.mark.parametrize(
