@@ -348,3 +348,25 @@ def test_lora_on_a_moe_model_exports_peft_that_transformers_loads(hf_moe, rows_f
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
     assert rel(base_logits, ours) > 1e-3  # the adapters changed the model
     assert rel(theirs, ours) < 1e-5 and rel(merged, ours) < 1e-5, (rel(theirs, ours), rel(merged, ours))
+
+
+def test_bf16_autocast_forward_and_backward():
+    """Under bf16 autocast (the GPU trainer's compute) the router stays in fp32 (megatron's
+    gating backward computes in the router's dtype) and the model trains."""
+    from loongforge.core.accelerator import get_accelerator
+    from loongforge.core.foundation.families import QWEN3_MOE
+    from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
+    from loongforge.core.parallel import init_parallel
+
+    acc = get_accelerator()
+    ctx = init_parallel(1, 1, acc.backend, acc.device_type)
+    cfg = QWEN3_MOE.resolve(
+        ModelConfig(family="qwen3_moe", num_layers=2, num_query_groups=2, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=32)
+    )
+    model = build_gpt_model(cfg, ctx, params_dtype=torch.bfloat16)
+    x = torch.randint(0, 256, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, None, None, labels=x, loss_mask=torch.ones(2, 12))
+    loss.backward()
+    router = model.decoder.layers[0].mlp.router
+    assert torch.isfinite(loss) and router.weight.grad is not None and router.weight.grad.abs().sum() > 0

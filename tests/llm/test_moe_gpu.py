@@ -93,7 +93,8 @@ def test_bf16_logits_close_to_hf(tmp_path):
     x = torch.randint(0, 512, (2, 64), device="cuda")
     with torch.no_grad():
         a, b = hf(x).logits.float(), ours(x).float()
-    assert ((a - b).abs().max() / a.abs().max()) < 3e-2
+    # bf16 rounding can flip a near-tied expert choice for a token: compare the whole logits
+    assert _rel(b, a) < 2e-2
 
 
 def test_moe_training_through_the_cli_on_cuda(tmp_path):

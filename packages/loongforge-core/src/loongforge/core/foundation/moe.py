@@ -77,6 +77,12 @@ def router_class():
             self.stats: dict[str, torch.Tensor] = {}
             self.load_window = None  # tokens routed to each expert since the last replication plan (training)
 
+        def gating(self, input):
+            # the router's own dtype (fp32), not autocast's: megatron's gating function computes
+            # its backward in that dtype and would meet autocast's bf16 output gradient there
+            with torch.autocast(input.device.type, enabled=False):
+                return super().gating(input)
+
         def routing(self, logits, padding_mask=None):
             self.stats = {}
             probs, routing_map = super().routing(logits, padding_mask=padding_mask)
