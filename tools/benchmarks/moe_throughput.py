@@ -226,6 +226,12 @@ def main():
             gc.collect()
             torch.cuda.empty_cache()
             continue
+        except Exception as e:  # report the setup as failed and go on with the others
+            print(f"{name}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+            results[name] = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         tps = tok_per_step / (ms / 1e3)
         results[name] = {"ms_per_step": ms, "tokens_per_s": tps, "tflops": tps * fpt / 1e12, "mfu": tps * fpt / peak, "peak_gib": mem}
         print(
@@ -238,7 +244,7 @@ def main():
     print("| --- | --- | --- | --- | --- | --- |")
     for n, r in results.items():
         if r is None:
-            print(f"| {n} | out of memory | | | | |")
+            print(f"| {n} | out of memory or failed (see above) | | | | |")
             continue
         print(
             f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |"
