@@ -13,7 +13,7 @@
 #   oracle    tools/oracles/pi_vs_lerobot.py on the GPU, pi05 and pi0 (LeRobot's wheels in $LR_SITE)
 #   vla       tools/benchmarks/vla_throughput.py ($VLA_ARGS; $VLA_TIMEOUT s, default 540)
 #   moetests  GPU tests of the MoE stack (tests/llm/test_moe_gpu.py)
-#   moe       tools/benchmarks/moe_throughput.py ($MOE_ARGS; $MOE_TIMEOUT s, default 480)
+#   moe       tools/benchmarks/moe_throughput.py ($MOE_ARGS; $MOE_SETUPS: comma-separated setup names; $MOE_TIMEOUT s, default 480)
 # $SITE (default /tmp/site) is where the wheels in .whl go; a later call on the same warm machine
 # may carry none (SKIP_INSTALL=1) or others. LeRobot's set goes to $LR_SITE (its own
 # transformers): .whl_lr, installed when present.
@@ -59,7 +59,7 @@ for part in $PARTS; do
     oracle) for v in pi05 pi0; do timeout 200 python3 tools/oracles/pi_vs_lerobot.py --site "$LR_SITE" --device cuda --variant $v 2>&1 | grep -v -i "warn" | tail -12; done | tee "$OUT/pi_oracle.log" ;;
     vla) timeout ${VLA_TIMEOUT:-540} python3 tools/benchmarks/vla_throughput.py --site "$LR_SITE" ${VLA_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/vla_throughput.log" ;;
     moetests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/llm/test_moe_gpu.py 2>&1 | tail -40 | tee "$OUT/moe_gpu_tests.log" ;;
-    moe) timeout ${MOE_TIMEOUT:-480} python3 tools/benchmarks/moe_throughput.py ${MOE_ARGS:-} --json "$OUT/moe_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/moe_throughput.log" ;;
+    moe) timeout ${MOE_TIMEOUT:-480} python3 tools/benchmarks/moe_throughput.py ${MOE_ARGS:-} ${MOE_SETUPS:+--setups "$MOE_SETUPS"} --json "$OUT/moe_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/moe_throughput.log" ;;
     llm) timeout ${LLM_TIMEOUT:-400} python3 tools/benchmarks/llm_throughput.py ${LLM_ARGS:-} ${LLM_SETUPS:+--setups "$LLM_SETUPS"} --json "$OUT/llm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/llm_throughput.log" ;;
   esac
 done
