@@ -144,29 +144,37 @@ def _train(run_dir, hf, *extra, nproc=1, steps=3):
     return r
 
 
-def test_expert_bias_moves_towards_balance(hf_ds, tmp_path):
+@pytest.fixture(scope="module")
+def ds_one(hf_ds, tmp_path_factory):
+    """Three steps on one process, the expert bias moving 0.01 a step, exported to HF."""
+    d = tmp_path_factory.mktemp("ds_one")
+    _train(d, hf_ds, "model.moe_bias_update_rate=0.01", "checkpoint.export_hf=true")
+    return d
+
+
+def test_expert_bias_moves_towards_balance(hf_ds, ds_one):
     """Each optimizer step moves every expert's bias by exactly +-rate (towards the experts that
     got fewer tokens than the mean); the gradient never touches it."""
-    _train(tmp_path, hf_ds, "model.moe_bias_update_rate=0.01", "checkpoint.export_hf=true")
     before = load_file(str(hf_ds / "model.safetensors"))
-    after = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    after = load_file(str(ds_one / "hf" / "model.safetensors"))
     for layer in (1, 2):
         key = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
         steps = (after[key] - before[key]) / 0.01
         # three steps of +-1: an odd number between -3 and 3
         assert torch.allclose(steps, steps.round(), atol=1e-3) and set(steps.round().abs().tolist()) <= {1.0, 3.0}, steps
-    assert losses(tmp_path)[3] < losses(tmp_path)[1]
+    assert losses(ds_one)[3] < losses(ds_one)[1]
 
 
 @pytest.mark.slow
-def test_expert_parallel_two_processes_match_one(hf_ds, tmp_path):
-    _train(tmp_path / "one", hf_ds, "checkpoint.export_hf=true", steps=4)
-    _train(tmp_path / "two", hf_ds, "checkpoint.export_hf=true", "parallel.expert_model_parallel_size=2", nproc=2, steps=4)
-    want, got = losses(tmp_path / "one"), losses(tmp_path / "two")
+def test_expert_parallel_two_processes_match_one(hf_ds, ds_one, tmp_path):
+    _train(
+        tmp_path, hf_ds, "model.moe_bias_update_rate=0.01", "checkpoint.export_hf=true", "parallel.expert_model_parallel_size=2", nproc=2
+    )
+    want, got = losses(ds_one), losses(tmp_path)
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
     # the bias updates count the tokens of both data-parallel ranks: the same biases as one process
-    a, b = (load_file(str(tmp_path / r / "hf" / "model.safetensors")) for r in ("one", "two"))
+    a, b = (load_file(str(r / "hf" / "model.safetensors")) for r in (ds_one, tmp_path))
     for k in a:
         if "e_score_correction_bias" in k:
             assert torch.equal(a[k], b[k]), k

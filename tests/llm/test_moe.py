@@ -110,17 +110,16 @@ def test_training_logs_router_losses_and_expert_load(single):
 def test_capacity_factor_drops_tokens_only_past_capacity(single, hf_moe, tmp_path):
     """A capacity no expert reaches gives the dropless run's losses (through megatron-core's
     token-dropping dispatcher); a tight one drops tokens and changes them."""
-    _train(tmp_path / "wide", hf_moe, "model.moe_capacity_factor=100", steps=2)
-    _train(tmp_path / "tight", hf_moe, "model.moe_capacity_factor=0.5", steps=2)
+    _train(tmp_path / "wide", hf_moe, "model.moe_capacity_factor=100", steps=1)
+    _train(tmp_path / "tight", hf_moe, "model.moe_capacity_factor=0.5", steps=1)
     want, wide, tight = losses(single), losses(tmp_path / "wide"), losses(tmp_path / "tight")
-    for step in (1, 2):
-        assert abs(wide[step] - want[step]) <= 1e-5 * abs(want[step]), (step, wide[step], want[step])
+    assert abs(wide[1] - want[1]) <= 1e-5 * abs(want[1]), (wide[1], want[1])
     assert abs(tight[1] - want[1]) > 1e-4 * abs(want[1])
 
 
 @pytest.mark.parametrize("kind", ["seq_aux_loss", "global_aux_loss"])
 def test_other_load_balancing_losses_train_and_are_logged(kind, hf_moe, tmp_path):
-    _train(tmp_path, hf_moe, f"model.moe_aux_loss_type={kind}", steps=2)
+    _train(tmp_path, hf_moe, f"model.moe_aux_loss_type={kind}", steps=1)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     name = {"seq_aux_loss": "seq_load_balancing_loss", "global_aux_loss": "global_load_balancing_loss"}[kind]
     assert all(0.5 < r[f"moe/layer{n}/{name}"] < 8.0 for r in rows for n in (1, 2))
