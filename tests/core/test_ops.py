@@ -195,3 +195,31 @@ def test_op_table_picks_the_fastest_implementation_for_the_device():
     assert OpTable.build({"rms_norm": "reference"}, registry(), "cuda").rms_norm is ref.rms_norm
     with pytest.raises(UserError, match="runs on cuda, not cpu"):
         OpTable.build({"rms_norm": "triton"}, registry(), "cpu")
+
+
+def test_packed_attention_against_explicit_softmax_per_sample():
+    """Bidirectional attention inside each sample of a pack, queries and keys bounded apart
+    (cross-attention to each sample's own context), against softmax(q k^T) v written out."""
+    torch.manual_seed(0)
+    lq, lk, h, d = [3, 5, 2], [4, 4, 6], 2, 8
+    q, k, v = torch.randn(sum(lq), h, d), torch.randn(sum(lk), h, d), torch.randn(sum(lk), h, d)
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()])
+    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()])
+    out = ref.packed_attention(q, k, v, cu_q, cu_k)
+    for i in range(3):
+        qi, ki, vi = (t[c[i] : c[i + 1]] for t, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        w = torch.softmax(torch.einsum("qhd,khd->hqk", qi, ki) / math.sqrt(d), -1)
+        torch.testing.assert_close(out[cu_q[i] : cu_q[i + 1]], torch.einsum("hqk,khd->qhd", w, vi), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="3 query samples but 2 key samples"):
+        ref.packed_attention(q, k, v, cu_q, cu_k[:-1])
+
+
+def test_rotary_with_angle_tables_equals_rope_of_positions():
+    """`rotary` with cos / sin of position * inv_freq is `rope` of those positions (both layouts)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 6, 4, 16), torch.randn(1, 6, 2, 16)
+    pos, inv = torch.arange(6), ref.rope_inv_freq(16, 10000.0)
+    ang = (pos[:, None].float() * inv)[None, :, None, :]
+    for inter in (True, False):
+        for a, b in zip(ref.rotary(q, k, ang.cos(), ang.sin(), inter), ref.rope(q, k, pos, inv, inter)):
+            torch.testing.assert_close(a, b)

@@ -57,23 +57,11 @@ def read_run(run_dir: Path, ema: bool | None = None):
     weights) of a finished or running run. `ema`:
     the EMA of the weights (`train.ema_decay`) or the trained weights; None: the EMA where the run
     kept one, as openpi serves."""
-    from loongforge.core.checkpoint import find_checkpoint, read_manifest, verify_files
-    from loongforge.core.checkpoint.dcp_io import read_model_state
+    from loongforge.core.checkpoint.dcp_io import read_run as read_torch_run
     from loongforge.core.foundation.lora import merge_adapters
     from loongforge.embodied.config import PiRunConfig
-    from omegaconf import OmegaConf
 
-    step = find_checkpoint(run_dir)
-    if step is None:
-        raise UserError(f"{run_dir}: no checkpoint to serve (train first, or name the run directory)")
-    verify_files(step)
-    manifest = read_manifest(step)
-    if manifest["config"].get("recipe") != "embodied.pi":
-        raise UserError(f"{run_dir}: a {manifest['config'].get('recipe')} run, not a pi0 / pi0.5 policy (embodied.pi)")
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PiRunConfig), manifest["config"]))
-    if ema and not cfg.train.ema_decay > 0:
-        raise UserError(f"{run_dir}: the run kept no EMA of its weights (train.ema_decay=0); use the trained weights")
-    state = read_model_state(step, ema=cfg.train.ema_decay > 0 if ema is None else ema)
+    cfg, state = read_torch_run(run_dir, PiRunConfig, "embodied.pi", ema, what="serve")
     return cfg, merge_adapters(state, cfg.lora.scale) if cfg.lora.enabled else state
 
 

@@ -139,3 +139,24 @@ def read_model_state(directory: Path, ema: bool = False) -> dict[str, torch.Tens
     for name, t in emas.items():
         model[name] = t.to(model[name].dtype)
     return model
+
+
+def read_run(run_dir: Path, config_cls, recipe: str, ema: bool | None = None, what: str = "read"):
+    """(the run's config as `config_cls`, its newest checkpoint's whole model state) of a finished
+    or running torch-stack run of `recipe`, for inference and export. `ema`: the EMA of the weights
+    (`train.ema_decay`) or the trained weights; None: the EMA where the run kept one. `what` names
+    the action in errors ("serve", "export", ...)."""
+    from loongforge.core.checkpoint.layout import find_checkpoint, read_manifest, verify_files
+    from omegaconf import OmegaConf
+
+    step = find_checkpoint(run_dir)
+    if step is None:
+        raise UserError(f"{run_dir}: no checkpoint to {what} (train first, or name the run directory)")
+    verify_files(step)
+    manifest = read_manifest(step)
+    if manifest["config"].get("recipe") != recipe:
+        raise UserError(f"{run_dir}: a {manifest['config'].get('recipe')} run, not a {recipe} run")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config_cls), manifest["config"]))
+    if ema and not cfg.train.ema_decay > 0:
+        raise UserError(f"{run_dir}: the run kept no EMA of its weights (train.ema_decay=0); use the trained weights")
+    return cfg, read_model_state(step, ema=cfg.train.ema_decay > 0 if ema is None else ema)

@@ -122,6 +122,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
 
 
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding with the angles given: each token's cos / sin per channel pair, broadcast
+    over the heads (`cos`, `sin`: [..., seq, 1, rot/2] against q/k [..., seq, heads, head_dim]).
+    Multi-axis RoPE (a video's time / height / width, or M-RoPE's position rows) differs only in
+    how the angles are made, so it is this op with tables built by the model. Pairs are adjacent
+    channels (2c, 2c + 1) with `interleaved` (Wan, Meta), else (c, c + rot/2) (HF/NeoX). Computed
+    in fp32; channels past the rotary dimension pass through. Returns (q', k')."""
+    return _rotate(q, cos.float(), sin.float(), interleaved), _rotate(k, cos.float(), sin.float(), interleaved)
+
+
 def qkv_rope(
     mixed: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, q_per_group: int, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -287,3 +299,31 @@ def adamw(
             grad_scale=grad_scale,
             found_inf=found_inf,
         )
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: Optional[float] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+) -> torch.Tensor:
+    """Bidirectional attention over packed samples: sample i's queries q[cu_q[i]:cu_q[i+1]] attend
+    to its keys k[cu_k[i]:cu_k[i+1]] and nothing else (self-attention inside each sample of a pack
+    when the bounds are equal; cross-attention to each sample's own context otherwise).
+
+    q: [total_q, heads, head_dim], k/v: [total_k, kv_heads, head_dim]; returns [total_q, heads,
+    head_dim]. `max_seqlen_*` are hints for kernels. The reference runs SDPA per sample.
+    """
+    out = q.new_empty(*q.shape[:2], v.shape[-1])
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if len(bq) != len(bk):
+        raise ValueError(f"packed_attention: {len(bq) - 1} query samples but {len(bk) - 1} key samples")
+    for (qs, qe), (ks, ke) in zip(zip(bq[:-1], bq[1:]), zip(bk[:-1], bk[1:])):
+        if qe > qs:
+            seg = attention(q[qs:qe].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None], v[ks:ke].transpose(0, 1)[None], False, scale)
+            out[qs:qe] = seg[0].transpose(0, 1)
+    return out

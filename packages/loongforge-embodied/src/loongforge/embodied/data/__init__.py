@@ -20,6 +20,8 @@ checks that they agree on the features a policy reads.
 a red or a blue square, two cameras), atomically, for demos and tests.
 """
 
+from loongforge.core.data.mixture import DatasetMixture
+from loongforge.embodied.data.compatible import check_compatible
 from loongforge.embodied.data.demo_dataset import write_demo_dataset
 from loongforge.embodied.data.image_transforms import (
     ImageAugment,
@@ -36,7 +38,6 @@ from loongforge.embodied.data.image_transforms import (
 )
 from loongforge.embodied.data.lerobot_dataset import LeRobotDataset
 from loongforge.embodied.data.lerobot_meta import SUPPORTED_VERSIONS, Episode, VideoSpan
-from loongforge.embodied.data.mixture import DatasetMixture, check_compatible
 from loongforge.embodied.data.normalize import Normalizer, NormMode, compute_stats
 
 __all__ = [

@@ -31,39 +31,16 @@ _PHASE = 2
 _PASS = 3
 
 
-def _name(dataset, i: int) -> str:
+def dataset_name(dataset, i: int) -> str:
     root = getattr(dataset, "root", None)
     return str(root) if root is not None else f"dataset {i}"
 
 
-def check_compatible(datasets: Sequence, keys: Sequence[str]) -> None:
-    """A UserError naming the key and the dataset (by its root) when a dataset lacks one of `keys`
-    or has it with another shape than the first dataset that has it."""
-    keys = [keys] if isinstance(keys, str) else list(keys)
-    for key in keys:
-        ref = None
-        for i, ds in enumerate(datasets):
-            feature = ds.features.get(key)
-            if feature is None:
-                raise UserError(f"{_name(ds, i)}: no feature {key!r}, which the policy reads (it has: {', '.join(ds.features)})")
-            shape = list(feature.get("shape") or [])
-            if ref is None:
-                ref = (i, shape)
-            elif shape != ref[1]:
-                raise UserError(
-                    f"{_name(ds, i)}: feature {key!r} has shape {shape}, {_name(datasets[ref[0]], ref[0])} has {ref[1]} "
-                    "(datasets mixed for one policy must agree)"
-                )
-
-
 class DatasetMixture:
     """`datasets` (each with `len()` and `[frame]`) drawn by `weights` (positive, finite); the
-    sample at each position depends only on (seed, position). `keys`, when given, are checked with
-    `check_compatible`. `round_size` sets how far apart the mix is exact (see the module doc)."""
+    sample at each position depends only on (seed, position). `round_size` sets how far apart the mix is exact (see the module doc)."""
 
-    def __init__(
-        self, datasets: Sequence, weights: Sequence[float], seed: int = 0, keys: Sequence[str] | None = None, round_size: int = 1024
-    ):
+    def __init__(self, datasets: Sequence, weights: Sequence[float], seed: int = 0, round_size: int = 1024):
         self.datasets = list(datasets)
         if not self.datasets:
             raise UserError("a dataset mixture needs at least one dataset")
@@ -75,7 +52,7 @@ class DatasetMixture:
             raise UserError(f"mixture: {len(w)} weights for {len(self.datasets)} datasets")
         bad = [(i, x) for i, x in enumerate(w) if not (math.isfinite(x) and x > 0)]
         if bad or not math.isfinite(sum(w)):
-            which = f" ({_name(self.datasets[bad[0][0]], bad[0][0])}: {bad[0][1]!r})" if bad else " (their sum overflows)"
+            which = f" ({dataset_name(self.datasets[bad[0][0]], bad[0][0])}: {bad[0][1]!r})" if bad else " (their sum overflows)"
             raise UserError(f"mixture weights must be positive and finite, got {w}{which}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise UserError(f"mixture seed must be an integer >= 0, got {seed!r}")
@@ -84,9 +61,7 @@ class DatasetMixture:
         self.lengths = [len(ds) for ds in self.datasets]
         for i, n in enumerate(self.lengths):
             if n < 1:
-                raise UserError(f"{_name(self.datasets[i], i)}: no frames to draw (an empty dataset in a mixture)")
-        if keys is not None:
-            check_compatible(self.datasets, keys)
+                raise UserError(f"{dataset_name(self.datasets[i], i)}: no frames to draw (an empty dataset in a mixture)")
         self.weights = w
         self.seed = int(seed)
         self.round_size = round_size
@@ -168,5 +143,5 @@ class DatasetMixture:
         return {**self.__dict__, "_rounds": OrderedDict(), "_passes": OrderedDict()}
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{_name(ds, i)}: {s:.3g}" for i, (ds, s) in enumerate(zip(self.datasets, self.shares)))
+        parts = ", ".join(f"{dataset_name(ds, i)}: {s:.3g}" for i, (ds, s) in enumerate(zip(self.datasets, self.shares)))
         return f"DatasetMixture({parts}; seed={self.seed})"

@@ -1,0 +1,56 @@
+"""The diffusion run config: core's shared sections, the transformer's shape, the flow-matching
+objective, the latent data and the frozen encoders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List
+
+from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
+from loongforge.diffusion.flow_matching import FlowMatchingConfig
+from loongforge.diffusion.models.wan import WanConfig
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class DemoDataConfig:
+    """The generated demo set (data.root=demo): tiny videos of moving shapes with captions."""
+
+    count: int = 24
+    frames: int = 9
+    height: int = 64
+    width: int = 64
+
+
+@dataclass
+class LatentDataConfig:
+    root: str = "demo"  # a directory `loongforge-diffusion preprocess` wrote, or "demo" (generated and preprocessed into run_dir/data)
+    text_len: int = 512  # text states zero-padded to this many tokens, as Wan's pipeline pads them
+    seed: int = 0  # the sample order
+    demo: DemoDataConfig = field(default_factory=DemoDataConfig)
+
+
+@dataclass
+class FrozenConfig:
+    """The frozen encoders: HF / diffusers directories (a Wan pipeline directory has both), or
+    "tiny": small random ones of a fixed seed (demo and tests; no download)."""
+
+    vae: str = "tiny"  # AutoencoderKLWan
+    text_encoder: str = "tiny"  # UMT5EncoderModel + its tokenizer
+    fps: float = 16.0  # preprocessing samples videos at this frame rate
+    buckets: List[str] = field(default_factory=lambda: ["64x64x9"])  # HxWxF preprocessing buckets (F = 4k + 1)
+
+
+@dataclass
+class WanRunConfig:
+    recipe: str = "diffusion.wan"
+    model: WanConfig = field(default_factory=WanConfig)
+    flow: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
+    data: LatentDataConfig = field(default_factory=LatentDataConfig)
+    frozen: FrozenConfig = field(default_factory=FrozenConfig)
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(stack="torch", data_parallel_mode="ddp"))
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoint.load: a diffusers WanTransformer3DModel directory
+    ops: dict = field(default_factory=dict)  # op name -> implementation

@@ -1,0 +1,277 @@
+"""The frozen encoders of Wan2.1 text-to-video training: the video VAE (diffusers'
+`AutoencoderKLWan`) and the UMT5 text encoder (transformers' `UMT5EncoderModel`), loaded from a
+directory or built tiny and random for demos and tests.
+
+A spec is a directory or "tiny":
+- VAE: a directory holding `AutoencoderKLWan.save_pretrained` output (config.json and weights), or
+  a diffusers pipeline directory (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers) with it in `vae/`.
+  "tiny" is TINY_VAE_CONFIG: base_dim 8, dim_mult [1, 1, 1, 1], one residual block per level,
+  z_dim 4, Wan's temporal downsampling [False, True, True] (F = 4k + 1 frames -> k + 1 latent
+  frames) and 8x spatial downsampling, latents_mean 0 and latents_std 1 per channel; a 9 x 32 x 32
+  video becomes latents [4, 3, 4, 4].
+- Text encoder: a directory holding a `UMT5EncoderModel` and its tokenizer, or a diffusers pipeline
+  directory with them in `text_encoder/` and `tokenizer/`. "tiny" is a UMT5EncoderModel of
+  d_model 32, 2 layers, 4 heads, d_kv 8, d_ff 64 over the shipped tiny tokenizer of
+  loongforge-core (`load_tokenizer("tiny")`).
+Tiny weights come from `torch.manual_seed(0)` (inside `torch.random.fork_rng`, so the caller's
+RNG is untouched): two calls give identical models. Every model is returned in eval mode with
+requires_grad False.
+
+Latents are normalized per channel as diffusers' Wan pipelines do: `(z - latents_mean) *
+(1 / latents_std)` from the VAE config (`WanImageToVideoPipeline.prepare_latents`), and
+`z / (1 / latents_std) + latents_mean` before `vae.decode` (`WanPipeline.__call__`). `encode_video`
+takes the posterior's mean (`latent_dist.mode()`, what the Wan pipelines use for conditioning
+latents, "argmax"): deterministic, no sampling noise.
+
+`encode_text` computes exactly what `WanPipeline._get_t5_prompt_embeds` computes before it pads:
+the same prompt cleaning (diffusers' `prompt_clean`), the same tokenizer call (padding to
+`max_length`, truncation, special tokens, attention mask), the encoder run on ids and mask, each
+row cut to its number of real tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from loongforge.core.errors import UserError
+
+TINY = "tiny"
+TINY_VAE_CONFIG = {
+    "base_dim": 8,
+    "z_dim": 4,
+    "dim_mult": [1, 1, 1, 1],
+    "num_res_blocks": 1,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "latents_mean": [0.0, 0.0, 0.0, 0.0],
+    "latents_std": [1.0, 1.0, 1.0, 1.0],
+}
+TINY_TEXT_CONFIG = {"d_model": 32, "num_layers": 2, "num_heads": 4, "d_kv": 8, "d_ff": 64}
+DEFAULT_MAX_LENGTH = 512  # Wan2.1's text length (WanPipeline.__call__'s max_sequence_length)
+
+
+def spec_key(spec) -> str:
+    """How a spec is recorded: "tiny", or the directory's absolute path."""
+    return TINY if str(spec) == TINY else str(Path(spec).resolve())
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _frozen(model):
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _transformers_dtype_kwarg(dtype) -> dict:
+    """`dtype=` for transformers >= 4.56, `torch_dtype=` before."""
+    import transformers
+
+    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+# ---- VAE -----------------------------------------------------------------------------------------
+
+
+def vae_dir(spec) -> tuple[Path, str | None]:
+    """(directory, subfolder) holding the VAE of directory spec `spec`; a UserError if none."""
+    p = Path(spec)
+    if (p / "vae" / "config.json").is_file():
+        return p, "vae"
+    if (p / "config.json").is_file():
+        return p, None
+    raise UserError(
+        f"VAE not found: {spec} (need an AutoencoderKLWan directory with config.json, a diffusers pipeline directory with vae/, or 'tiny')"
+    )
+
+
+def load_vae(spec: str, dtype=torch.float32):
+    """The frozen `AutoencoderKLWan` of `spec` (see the module docstring) in `dtype`, on the CPU."""
+    from diffusers import AutoencoderKLWan
+
+    if str(spec) == TINY:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            vae = AutoencoderKLWan(**TINY_VAE_CONFIG)
+        if dtype != vae.dtype:
+            vae = vae.to(dtype)
+        return _frozen(vae)
+    path, subfolder = vae_dir(spec)
+    try:
+        vae = AutoencoderKLWan.from_pretrained(str(path), subfolder=subfolder, torch_dtype=dtype)
+    except Exception as e:  # diffusers raises many types for unreadable or mismatched files
+        raise UserError(f"cannot load the VAE from {path / (subfolder or '')}: {_first_line(e)}") from None
+    return _frozen(vae)
+
+
+def vae_latent_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std), float32 [z_dim], from `vae.config.latents_mean` / `latents_std`; zeros / ones
+    where the config has none. A UserError when their length is not z_dim (diffusers' Wan
+    pipelines would fail on such a VAE too)."""
+    z = int(vae.config.z_dim)
+    out = []
+    for name, default in (("latents_mean", 0.0), ("latents_std", 1.0)):
+        values = getattr(vae.config, name, None)
+        if values is None:
+            out.append(torch.full((z,), default, dtype=torch.float32))
+            continue
+        if len(values) != z:
+            raise UserError(f"VAE config: {name} has {len(values)} values, z_dim is {z}")
+        out.append(torch.tensor(values, dtype=torch.float32))
+    return out[0], out[1]
+
+
+def _device(module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def encode_video(vae, video: torch.Tensor) -> torch.Tensor:
+    """Normalized latents [C, F', H', W'] (F' = (F - 1) / 4 + 1, H' = H / 8, W' = W / 8) of one
+    video [3, F, H, W] in [-1, 1]: the posterior's mean (`latent_dist.mode()`, no sampling), then
+    `(z - latents_mean) * (1 / latents_std)` as the Wan pipelines compute it, in the VAE's dtype."""
+    if video.ndim != 4 or video.shape[0] != 3:
+        raise ValueError(f"video must be [3, F, H, W], got {tuple(video.shape)}")
+    x = video.unsqueeze(0).to(_device(vae), vae.dtype)
+    with torch.no_grad():
+        z = vae.encode(x).latent_dist.mode()
+    mean, std = vae_latent_stats(vae)
+    view = (1, z.shape[1], 1, 1, 1)
+    latents_mean = mean.view(view).to(z.device, z.dtype)
+    latents_std = 1.0 / std.view(view).to(z.device, z.dtype)
+    return ((z - latents_mean) * latents_std)[0]
+
+
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The video [3, F, H, W] in [-1, 1] of normalized latents [C, F', H', W']: `z / (1 /
+    latents_std) + latents_mean` as `WanPipeline.__call__` computes it, then `vae.decode`."""
+    if latents.ndim != 4:
+        raise ValueError(f"latents must be [C, F, H, W], got {tuple(latents.shape)}")
+    z = latents.unsqueeze(0).to(_device(vae), vae.dtype)
+    mean, std = vae_latent_stats(vae)
+    view = (1, z.shape[1], 1, 1, 1)
+    latents_mean = mean.view(view).to(z.device, z.dtype)
+    latents_std = 1.0 / std.view(view).to(z.device, z.dtype)
+    z = z / latents_std + latents_mean
+    with torch.no_grad():
+        return vae.decode(z, return_dict=False)[0][0]
+
+
+# ---- text encoder --------------------------------------------------------------------------------
+
+
+def text_encoder_dirs(spec) -> tuple[Path, Path]:
+    """(encoder directory, tokenizer directory) of directory spec `spec`; a UserError if none."""
+    p = Path(spec)
+    if (p / "text_encoder" / "config.json").is_file():
+        tok = p / "tokenizer"
+        return p / "text_encoder", tok if tok.is_dir() else p / "text_encoder"
+    if (p / "config.json").is_file():
+        return p, p
+    raise UserError(
+        f"text encoder not found: {spec} (need a UMT5EncoderModel directory with its tokenizer, a diffusers pipeline "
+        "directory with text_encoder/ and tokenizer/, or 'tiny')"
+    )
+
+
+def load_text_encoder(spec: str, dtype=torch.float32):
+    """(tokenizer, frozen UMT5EncoderModel in `dtype` on the CPU) of `spec` (see the module docstring)."""
+    from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+
+    if str(spec) == TINY:
+        from loongforge.core.data.text.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(TINY)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        config = UMT5Config(
+            vocab_size=len(tokenizer),
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id if tokenizer.eos_token_id is not None else pad,
+            decoder_start_token_id=pad,
+            **TINY_TEXT_CONFIG,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            encoder = UMT5EncoderModel(config)
+        if dtype != encoder.dtype:
+            encoder = encoder.to(dtype)
+        return tokenizer, _frozen(encoder)
+    enc_dir, tok_dir = text_encoder_dirs(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    except Exception as e:  # transformers raises many types for unreadable tokenizer files
+        raise UserError(f"cannot load the tokenizer from {tok_dir}: {_first_line(e)}") from None
+    try:
+        encoder = UMT5EncoderModel.from_pretrained(str(enc_dir), **_transformers_dtype_kwarg(dtype))
+    except Exception as e:
+        raise UserError(f"cannot load the text encoder (UMT5EncoderModel) from {enc_dir}: {_first_line(e)}") from None
+    return tokenizer, _frozen(encoder)
+
+
+def clean_caption(caption: str) -> str:
+    """The caption as WanPipeline cleans a prompt before tokenizing (diffusers' `prompt_clean`)."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    return prompt_clean(caption)
+
+
+def encode_text(tokenizer, encoder, captions: list[str], max_length: int = DEFAULT_MAX_LENGTH) -> list[torch.Tensor]:
+    """Each caption's text embeddings [L_i, D] in the encoder's dtype, L_i its number of real
+    tokens (at most `max_length`): `WanPipeline._get_t5_prompt_embeds` before it pads."""
+    prompts = [clean_caption(c) for c in captions]
+    inputs = tokenizer(
+        prompts,
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    ids, mask = inputs.input_ids, inputs.attention_mask
+    seq_lens = mask.gt(0).sum(dim=1).long()
+    device = _device(encoder)
+    with torch.no_grad():
+        embeds = encoder(ids.to(device), mask.to(device)).last_hidden_state
+    embeds = embeds.to(dtype=encoder.dtype)
+    return [u[:v].clone() for u, v in zip(embeds, seq_lens)]
+
+
+# ---- for a later process -------------------------------------------------------------------------
+
+
+def save_frozen(vae_spec: str, text_spec: str, out_dir) -> dict[str, str]:
+    """What a later process (generation) loads: {"vae": spec, "text_encoder": spec}. A directory
+    spec is recorded as its absolute path; a "tiny" one is written first, the VAE to
+    `out_dir/vae` (`save_pretrained`), the text encoder and its tokenizer to `out_dir/text_encoder`
+    and `out_dir/tokenizer`, and recorded as `out_dir/vae` and `out_dir` (a diffusers-pipeline-like
+    directory that `load_vae` / `load_text_encoder` read). Each is written to a temporary sibling
+    and renamed into place once complete."""
+    from loongforge.core.outputs import replaced_dir
+
+    out = Path(out_dir)
+    result = {}
+    if str(vae_spec) == TINY:
+        out.mkdir(parents=True, exist_ok=True)
+        with replaced_dir(out / "vae") as tmp:
+            load_vae(TINY).save_pretrained(str(tmp))
+        result["vae"] = str((out / "vae").resolve())
+    else:
+        vae_dir(vae_spec)
+        result["vae"] = spec_key(vae_spec)
+    if str(text_spec) == TINY:
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer, encoder = load_text_encoder(TINY)
+        with replaced_dir(out / "text_encoder") as tmp:
+            encoder.save_pretrained(str(tmp))
+        with replaced_dir(out / "tokenizer") as tmp:
+            tokenizer.save_pretrained(str(tmp))
+        result["text_encoder"] = str(out.resolve())
+    else:
+        text_encoder_dirs(text_spec)
+        result["text_encoder"] = spec_key(text_spec)
+    return result

@@ -1,0 +1,133 @@
+"""`loongforge-diffusion generate`: a video (mp4) or image (png) from a trained run.
+
+The run's transformer (its EMA where it kept one) denoises Gaussian latents with Wan's
+scheduler (diffusers' UniPCMultistepScheduler in flow-prediction mode at the run's shift, as
+WanPipeline samples; or the flow-matching Euler scheduler), classifier-free guidance against the
+negative prompt's text states, then the run's frozen VAE decodes the latents.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from loongforge.core.errors import UserError
+from loongforge.diffusion.models.wan import WanDiT, predict
+from loongforge.diffusion.task import pad_text
+
+SCHEDULERS = ("unipc", "euler")
+
+
+def make_scheduler(name: str, shift: float, num_train_timesteps: int):
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    if name == "unipc":
+        return UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=num_train_timesteps, flow_shift=shift
+        )
+    if name == "euler":
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
+    raise UserError(f"--scheduler={name!r}: choose one of {', '.join(SCHEDULERS)}")
+
+
+def latent_shape(vae, channels: int, frames: int, height: int, width: int, patch) -> tuple[int, int, int, int]:
+    """The latents of a frames x height x width video, checked against the VAE's and the patch's
+    strides (WanPipeline's: 4x in time with frames = 4k + 1, 8x in space)."""
+    ts = 2 ** sum(vae.config.temperal_downsample)
+    ss = 2 ** len(vae.config.temperal_downsample)
+    if frames < 1 or (frames - 1) % ts:
+        raise UserError(f"--frames={frames}: must be {ts}k + 1 (1, {ts + 1}, {2 * ts + 1}, ...)")
+    for name, v, p in (("--height", height, patch[1]), ("--width", width, patch[2])):
+        if v < 1 or v % (ss * p):
+            raise UserError(f"{name}={v}: must be a positive multiple of {ss * p} (the VAE's {ss}x times the patch's {p})")
+    return channels, (frames - 1) // ts + 1, height // ss, width // ss
+
+
+@torch.no_grad()
+def sample_latents(
+    model: WanDiT, cond: torch.Tensor, uncond: torch.Tensor, shape, steps: int, guidance: float, scheduler, generator, device
+):
+    """Denoise Gaussian latents of `shape` in `steps` scheduler steps; cond / uncond: [1, L, D]."""
+    latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)[None]
+    scheduler.set_timesteps(steps, device=device)
+    for t in scheduler.timesteps:
+        ts = t.expand(1).to(device)
+        pred = predict(model, latents, ts, cond)
+        if guidance > 1.0:  # classifier-free guidance, as WanPipeline applies it
+            base = predict(model, latents, ts, uncond)
+            pred = base + guidance * (pred - base)
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+    return latents[0]
+
+
+def write_media(frames: np.ndarray, out: Path, fps: int) -> None:
+    """uint8 [frames, H, W, 3] -> `out` (.mp4: H.264 in yuv420p; .png: one frame)."""
+    import av
+    from PIL import Image
+
+    tmp = out.with_name(f".{out.name}.tmp{out.suffix}")
+    if out.suffix == ".png":
+        Image.fromarray(frames[0]).save(tmp)
+    else:
+        with av.open(str(tmp), "w") as container:
+            stream = container.add_stream("libx264", rate=fps)
+            stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+            for f in frames:
+                for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+    tmp.replace(out)
+
+
+def generate(
+    run_dir,
+    prompt: str,
+    out,
+    frames: int = 9,
+    height: int = 64,
+    width: int = 64,
+    steps: int = 20,
+    guidance: float = 5.0,
+    negative_prompt: str = "",
+    seed: int = 0,
+    scheduler: str = "unipc",
+    fps: int = 16,
+    device: str = "cpu",
+    ema: bool | None = None,
+) -> Path:
+    from loongforge.core.checkpoint.dcp_io import read_run
+    from loongforge.diffusion.config import WanRunConfig
+    from loongforge.diffusion.data import decode_latents, encode_text, load_text_encoder, load_vae
+    from loongforge.diffusion.recipe import FROZEN
+
+    run_dir, out = Path(run_dir), Path(out)
+    if out.suffix not in (".mp4", ".png"):
+        raise UserError(f"{out}: name an .mp4 (video) or .png (one frame) file")
+    if out.exists():
+        raise UserError(f"{out} exists; name a new file (generate never overwrites)")
+    if out.suffix == ".png" and frames != 1:
+        raise UserError(f"{out}: a .png holds one frame; pass --frames 1 or name an .mp4")
+    if steps < 1 or guidance < 0:
+        raise UserError(f"--steps={steps} must be at least 1 and --guidance={guidance} at least 0")
+    cfg, state = read_run(run_dir, WanRunConfig, "diffusion.wan", ema, what="generate from")
+    if not (run_dir / FROZEN).is_file():
+        raise UserError(f"{run_dir}: no {FROZEN} (the run was not started by `loongforge-diffusion train`)")
+    frozen = json.loads((run_dir / FROZEN).read_text())
+    model = WanDiT(cfg.model)
+    model.load_state_dict(state, strict=True)
+    model = model.float().to(device).eval()
+    vae = load_vae(frozen["vae"]).to(device)
+    shape = latent_shape(vae, cfg.model.in_channels, frames, height, width, cfg.model.patch_size)
+    tok, enc = load_text_encoder(frozen["text_encoder"])
+    cond, uncond = (pad_text(encode_text(tok, enc, [p]), cfg.data.text_len).to(device) for p in (prompt, negative_prompt))
+    sched = make_scheduler(scheduler, cfg.flow.shift, cfg.flow.num_train_timesteps)
+    g = torch.Generator().manual_seed(seed)
+    latents = sample_latents(model, cond, uncond, shape, steps, guidance, sched, g, device)
+    video = decode_latents(vae, latents)  # [3, F, H, W] in [-1, 1]
+    pixels = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_media(pixels, out, fps)
+    return out

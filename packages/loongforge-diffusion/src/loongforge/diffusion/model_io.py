@@ -1,0 +1,108 @@
+"""Wan transformers in and out of diffusers' format, and the Python API.
+
+    from loongforge.diffusion import load_model
+    model = load_model("Wan2.1-T2V-1.3B-Diffusers/transformer")   # or a run directory of ours
+    noise_pred = model(hidden_states=latents, timestep=t, encoder_hidden_states=text_states)
+
+A diffusers transformer directory is `config.json` plus `diffusion_pytorch_model.safetensors`
+(or its sharded index), as `WanTransformer3DModel.save_pretrained` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from loongforge.core.errors import UserError
+from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf
+from loongforge.diffusion.models.wan import WAN_TABLE, WanConfig, WanDiT, predict
+from torch import nn
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def transformer_dir(path: Path) -> Path:
+    """`path` itself or, for a whole pipeline directory, its `transformer/`."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / "transformer" / "config.json").is_file():
+        return path / "transformer"
+    return path
+
+
+def read_diffusers(path: Path) -> tuple[WanConfig, dict[str, torch.Tensor]]:
+    """(config, our state dict) of a diffusers WanTransformer3DModel directory."""
+    from safetensors.torch import load_file
+
+    d = transformer_dir(path)
+    if not (d / "config.json").is_file():
+        raise UserError(f"{path}: not a diffusers transformer directory (no config.json)")
+    cfg = WanConfig.from_diffusers(json.loads((d / "config.json").read_text()))
+    index = d / f"{WEIGHTS}.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (d / WEIGHTS).is_file():
+        files = [WEIGHTS]
+    else:
+        raise UserError(f"{d}: no {WEIGHTS} (or its .index.json)")
+    state = {}
+    for f in files:
+        state.update(load_file(str(d / f)))
+    return cfg, hf_to_lf(WAN_TABLE, state, cfg)
+
+
+def write_diffusers(cfg: WanConfig, state: dict[str, torch.Tensor], out: Path) -> None:
+    """Our state dict -> `out/config.json` + `out/diffusion_pytorch_model.safetensors` (out: an
+    existing empty directory; callers write into a temporary one and rename it)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in lf_to_hf(WAN_TABLE, state, cfg).items()}
+    save_file(tensors, str(Path(out) / WEIGHTS), metadata={"format": "pt"})
+    (Path(out) / "config.json").write_text(json.dumps(cfg.diffusers_config(), indent=2) + "\n")
+
+
+class DiffusersCall(nn.Module):
+    """A Wan transformer called with diffusers' forward arguments; returns the prediction tensor."""
+
+    def __init__(self, model: WanDiT):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None, return_dict=None, attention_kwargs=None
+    ):
+        if encoder_hidden_states_image is not None:
+            raise ValueError("encoder_hidden_states_image: image-to-video conditioning is not implemented (text-to-video only)")
+        return predict(self.model, hidden_states, timestep, encoder_hidden_states)
+
+
+def load_model(path, ema: bool | None = None) -> DiffusersCall:
+    """A diffusers WanTransformer3DModel directory (or a pipeline directory holding one), or a
+    run directory of `loongforge-diffusion train` (its newest checkpoint; `ema` as `generate`
+    takes it) -> a module called as diffusers' model is (CPU, the weights' dtype)."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        from loongforge.core.checkpoint.dcp_io import read_run
+        from loongforge.diffusion.config import WanRunConfig
+
+        run, state = read_run(path, WanRunConfig, "diffusion.wan", ema, what="load")
+        cfg = run.model
+    else:
+        cfg, state = read_diffusers(path)
+    model = WanDiT(cfg)
+    model.load_state_dict(state, strict=True)
+    return DiffusersCall(model.to(next(iter(state.values())).dtype)).eval()
+
+
+def export_run(run_dir, out, ema: bool | None = None) -> Path:
+    """A run's newest checkpoint (its EMA where it kept one, unless `ema` says) as a diffusers
+    WanTransformer3DModel directory at `out` (new or empty; written whole, then renamed)."""
+    from loongforge.core.checkpoint.dcp_io import read_run
+    from loongforge.core.outputs import replaced_dir, require_new_dir
+    from loongforge.diffusion.config import WanRunConfig
+
+    out = require_new_dir(Path(out))
+    run, state = read_run(Path(run_dir), WanRunConfig, "diffusion.wan", ema, what="export")
+    with replaced_dir(out) as tmp:
+        write_diffusers(run.model, state, tmp)
+    return out

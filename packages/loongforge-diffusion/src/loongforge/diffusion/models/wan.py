@@ -1,0 +1,384 @@
+"""Wan2.1 / Wan2.2 video diffusion transformer (text-to-video) on core's op table, with its
+diffusers mapping table.
+
+The math of diffusers' `WanTransformer3DModel`: a 3-D patch embedding; per layer adaLN-style
+modulation from the time embedding (shift / scale / gate from a learned table plus the projected
+time), self-attention with q/k RMSNorm across heads and 3-D RoPE (time, height, width channel
+groups, adjacent channel pairs), cross-attention to the text states, a GELU-tanh MLP; a modulated
+output norm and projection, unpatchified.
+
+Samples of different sizes run packed: every sample's patch tokens are concatenated into one
+[tokens, hidden] row and attention never crosses a sample (op `packed_attention`), each token
+rotated by its own sample's (t, h, w) position and modulated by its own sample's time. Nothing is
+padded to the largest sample. `forward` also takes diffusers' own arguments (a batch of equal-size
+latents), so the module is a drop-in for the diffusers model.
+
+q/k/v of self-attention are one fused linear and k/v of cross-attention another (one GEMM
+each); `WAN_TABLE` maps them to diffusers' separate tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+import torch.nn.functional as F
+from loongforge.core.errors import UserError
+from loongforge.core.foundation.hf_mapping import Row
+from loongforge.core.ops import OpTable
+from torch import nn
+
+
+@dataclass
+class WanConfig:
+    """The transformer's shape under diffusers' own config names (`WanTransformer3DModel`)."""
+
+    patch_size: List[int] = field(default_factory=lambda: [1, 2, 2])
+    num_attention_heads: int = 2
+    attention_head_dim: int = 12
+    in_channels: int = 4
+    out_channels: int = 4
+    text_dim: int = 32
+    freq_dim: int = 32
+    ffn_dim: int = 48
+    num_layers: int = 2
+    cross_attn_norm: bool = True
+    qk_norm: str = "rms_norm_across_heads"
+    eps: float = 1e-6
+    rope_max_seq_len: int = 1024
+
+    @property
+    def hidden_size(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def patch_volume(self) -> int:
+        return math.prod(self.patch_size)
+
+    def rope_dims(self) -> tuple[int, int, int]:
+        """Channels of each head given to time, height and width (diffusers' split)."""
+        h = w = 2 * (self.attention_head_dim // 6)
+        return self.attention_head_dim - h - w, h, w
+
+    def repeats(self) -> dict[str, int]:
+        return {"i": self.num_layers}
+
+    def check(self) -> None:
+        if len(self.patch_size) != 3 or any(int(p) < 1 for p in self.patch_size):
+            raise UserError(f"model.patch_size={list(self.patch_size)}: three positive sizes (time, height, width)")
+        if self.attention_head_dim % 2 or any(d % 2 for d in self.rope_dims()):
+            raise UserError(f"model.attention_head_dim={self.attention_head_dim}: must split into even time/height/width rotary parts")
+        if self.qk_norm != "rms_norm_across_heads":
+            raise UserError(f"model.qk_norm={self.qk_norm!r}: only 'rms_norm_across_heads' (Wan's) is implemented")
+
+    def diffusers_config(self) -> dict:
+        """The `WanTransformer3DModel` config.json fields of this shape."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["patch_size"] = list(self.patch_size)
+        return {"_class_name": "WanTransformer3DModel", **d, "image_dim": None, "added_kv_proj_dim": None, "pos_embed_seq_len": None}
+
+    @classmethod
+    def from_diffusers(cls, d: dict) -> "WanConfig":
+        """From a diffusers config.json; a field this model does not implement is refused by name."""
+        if d.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
+            raise UserError(f"config.json is a {d['_class_name']}, not a WanTransformer3DModel")
+        for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+            if d.get(key) is not None:
+                raise UserError(
+                    f"config.json: {key}={d[key]} (Wan image-to-video conditioning) is not implemented; text-to-video configs only"
+                )
+        known = {f.name for f in dataclasses.fields(cls)} | {"image_dim", "added_kv_proj_dim", "pos_embed_seq_len"}
+        unknown = sorted(k for k in d if not k.startswith("_") and k not in known)
+        if unknown:
+            raise UserError(f"config.json: field {unknown[0]!r} of WanTransformer3DModel is not implemented here")
+        cfg = cls(**{k: v for k, v in d.items() if k in known and k not in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")})
+        cfg.patch_size = list(cfg.patch_size)
+        cfg.out_channels = cfg.out_channels or cfg.in_channels
+        cfg.check()
+        return cfg
+
+
+B = "blocks.{i}."
+L = "layers.{i}."
+
+WAN_TABLE = (
+    Row("patch_embedding.weight", ("patch_embedding.weight",)),
+    Row("patch_embedding.bias", ("patch_embedding.bias",)),
+    Row("time_in.fc1.weight", ("condition_embedder.time_embedder.linear_1.weight",)),
+    Row("time_in.fc1.bias", ("condition_embedder.time_embedder.linear_1.bias",)),
+    Row("time_in.fc2.weight", ("condition_embedder.time_embedder.linear_2.weight",)),
+    Row("time_in.fc2.bias", ("condition_embedder.time_embedder.linear_2.bias",)),
+    Row("time_proj.weight", ("condition_embedder.time_proj.weight",)),
+    Row("time_proj.bias", ("condition_embedder.time_proj.bias",)),
+    Row("text_in.fc1.weight", ("condition_embedder.text_embedder.linear_1.weight",)),
+    Row("text_in.fc1.bias", ("condition_embedder.text_embedder.linear_1.bias",)),
+    Row("text_in.fc2.weight", ("condition_embedder.text_embedder.linear_2.weight",)),
+    Row("text_in.fc2.bias", ("condition_embedder.text_embedder.linear_2.bias",)),
+    Row(L + "modulation", (B + "scale_shift_table",)),
+    Row(L + "self_attn.qkv.weight", tuple(B + f"attn1.to_{p}.weight" for p in "qkv"), "concat"),
+    Row(L + "self_attn.qkv.bias", tuple(B + f"attn1.to_{p}.bias" for p in "qkv"), "concat"),
+    Row(L + "self_attn.norm_q.weight", (B + "attn1.norm_q.weight",)),
+    Row(L + "self_attn.norm_k.weight", (B + "attn1.norm_k.weight",)),
+    Row(L + "self_attn.out.weight", (B + "attn1.to_out.0.weight",)),
+    Row(L + "self_attn.out.bias", (B + "attn1.to_out.0.bias",)),
+    Row(L + "cross_norm.weight", (B + "norm2.weight",), optional=True),
+    Row(L + "cross_norm.bias", (B + "norm2.bias",), optional=True),
+    Row(L + "cross_attn.q.weight", (B + "attn2.to_q.weight",)),
+    Row(L + "cross_attn.q.bias", (B + "attn2.to_q.bias",)),
+    Row(L + "cross_attn.kv.weight", tuple(B + f"attn2.to_{p}.weight" for p in "kv"), "concat"),
+    Row(L + "cross_attn.kv.bias", tuple(B + f"attn2.to_{p}.bias" for p in "kv"), "concat"),
+    Row(L + "cross_attn.norm_q.weight", (B + "attn2.norm_q.weight",)),
+    Row(L + "cross_attn.norm_k.weight", (B + "attn2.norm_k.weight",)),
+    Row(L + "cross_attn.out.weight", (B + "attn2.to_out.0.weight",)),
+    Row(L + "cross_attn.out.bias", (B + "attn2.to_out.0.bias",)),
+    Row(L + "fc1.weight", (B + "ffn.net.0.proj.weight",)),
+    Row(L + "fc1.bias", (B + "ffn.net.0.proj.bias",)),
+    Row(L + "fc2.weight", (B + "ffn.net.2.weight",)),
+    Row(L + "fc2.bias", (B + "ffn.net.2.bias",)),
+    Row("proj_out.weight", ("proj_out.weight",)),
+    Row("proj_out.bias", ("proj_out.bias",)),
+    Row("out_modulation", ("scale_shift_table",)),
+)
+
+
+@dataclass
+class Pack:
+    """Samples of any sizes as one row of patch tokens: `grids[i]` = sample i's (frames, height,
+    width) in patches, `cu_seqlens` its token bounds, `sample_of_token` each token's sample."""
+
+    grids: list[tuple[int, int, int]]
+    cu_seqlens: torch.Tensor
+    sample_of_token: torch.Tensor
+
+    @classmethod
+    def of(cls, grids: list[tuple[int, int, int]], device) -> "Pack":
+        lens = torch.tensor([f * h * w for f, h, w in grids], device=device)
+        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        return cls(list(grids), cu, torch.repeat_interleave(torch.arange(len(grids), device=device), lens))
+
+    @property
+    def max_len(self) -> int:
+        return max(f * h * w for f, h, w in self.grids)
+
+
+def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal features of diffusion times [n] -> [n, dim] (cos first, diffusers' Timesteps
+    with flip_sin_to_cos=True, downscale_freq_shift=0)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t[:, None].float() * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, pack: Pack) -> torch.Tensor:
+    """x * (1 + scale) + shift with per-sample (or per-token) shift / scale, broadcast to tokens."""
+    return x * (1 + _per_token(scale, pack)) + _per_token(shift, pack)
+
+
+def _per_token(v: torch.Tensor, pack: Pack) -> torch.Tensor:
+    """[samples, hidden] (or already [tokens, hidden]) -> a tensor broadcasting against [tokens, hidden]."""
+    if v.shape[0] == pack.sample_of_token.numel():
+        return v
+    if v.shape[0] == 1:
+        return v
+    return v[pack.sample_of_token]
+
+
+class MLP2(nn.Module):
+    """Linear, activation, linear (the time and text embedders)."""
+
+    def __init__(self, d_in: int, d_out: int, act):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(d_in, d_out), nn.Linear(d_out, d_out), act
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: WanConfig, ops: OpTable):
+        super().__init__()
+        d = cfg.hidden_size
+        self.heads, self.eps, self.ops = cfg.num_attention_heads, cfg.eps, ops
+        self.qkv = nn.Linear(d, 3 * d)
+        self.norm_q, self.norm_k = RMSWeight(d), RMSWeight(d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pack: Pack) -> torch.Tensor:
+        t, d = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q = self.ops.rms_norm(q, self.norm_q.weight, self.eps).view(t, self.heads, -1)
+        k = self.ops.rms_norm(k, self.norm_k.weight, self.eps).view(t, self.heads, -1)
+        q, k = self.ops.rotary(q, k, cos, sin, True)
+        o = self.ops.packed_attention(q, k, v.view(t, self.heads, -1), pack.cu_seqlens, pack.cu_seqlens, None, pack.max_len, pack.max_len)
+        return self.out(o.reshape(t, d))
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, cfg: WanConfig, ops: OpTable):
+        super().__init__()
+        d = cfg.hidden_size
+        self.heads, self.eps, self.ops = cfg.num_attention_heads, cfg.eps, ops
+        self.q, self.kv = nn.Linear(d, d), nn.Linear(d, 2 * d)
+        self.norm_q, self.norm_k = RMSWeight(d), RMSWeight(d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, pack: Pack) -> torch.Tensor:
+        """x: [tokens, hidden]; context: [samples, context_len, hidden], every sample's whole
+        context attended (Wan pads the text states to a fixed length and attends to all of it)."""
+        t, d = x.shape
+        n, c, _ = context.shape
+        q = self.ops.rms_norm(self.q(x), self.norm_q.weight, self.eps).view(t, self.heads, -1)
+        k, v = self.kv(context.reshape(n * c, d)).chunk(2, dim=-1)
+        k = self.ops.rms_norm(k, self.norm_k.weight, self.eps).view(n * c, self.heads, -1)
+        cu_k = torch.arange(0, (n + 1) * c, c, device=x.device, dtype=torch.int32)
+        o = self.ops.packed_attention(q, k, v.reshape(n * c, self.heads, -1), pack.cu_seqlens, cu_k, None, pack.max_len, c)
+        return self.out(o.reshape(t, d))
+
+
+class RMSWeight(nn.Module):
+    """An RMSNorm's weight (the op table computes the norm)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+
+class WanBlock(nn.Module):
+    def __init__(self, cfg: WanConfig, ops: OpTable):
+        super().__init__()
+        d = cfg.hidden_size
+        self.eps = cfg.eps
+        self.modulation = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
+        self.self_attn = SelfAttention(cfg, ops)
+        self.cross_norm = nn.LayerNorm(d, eps=cfg.eps) if cfg.cross_attn_norm else None
+        self.cross_attn = CrossAttention(cfg, ops)
+        self.fc1, self.fc2 = nn.Linear(d, cfg.ffn_dim), nn.Linear(cfg.ffn_dim, d)
+
+    def forward(self, x, context, time_mod, cos, sin, pack: Pack):
+        """time_mod: [samples or tokens, 6, hidden] (fp32), the block's shift/scale/gate inputs."""
+        mod = (self.modulation.float() + time_mod).unbind(1)
+        shift, scale, gate, c_shift, c_scale, c_gate = mod
+        d = x.shape[-1]
+        h = modulate(F.layer_norm(x.float(), (d,), eps=self.eps), shift, scale, pack).type_as(x)
+        x = (x.float() + self.self_attn(h, cos, sin, pack) * _per_token(gate, pack)).type_as(x)
+        if self.cross_norm is not None:
+            h = F.layer_norm(x.float(), (d,), self.cross_norm.weight.float(), self.cross_norm.bias.float(), self.eps).type_as(x)
+        else:
+            h = x
+        x = x + self.cross_attn(h, context, pack)
+        h = modulate(F.layer_norm(x.float(), (d,), eps=self.eps), c_shift, c_scale, pack).type_as(x)
+        ff = self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+        return (x.float() + ff.float() * _per_token(c_gate, pack)).type_as(x)
+
+
+class WanDiT(nn.Module):
+    """`model(patches, pack, timestep, context)`: samples of any sizes in one pack (`patchify`);
+    `predict(model, ...)` takes diffusers' arguments."""
+
+    def __init__(self, cfg: WanConfig, ops: OpTable | None = None):
+        super().__init__()
+        cfg.check()
+        ops = ops or OpTable()
+        self.cfg, self.ops = cfg, ops
+        d = cfg.hidden_size
+        self.patch_embedding = nn.Conv3d(cfg.in_channels, d, kernel_size=tuple(cfg.patch_size), stride=tuple(cfg.patch_size))
+        self.time_in = MLP2(cfg.freq_dim, d, nn.SiLU())
+        self.time_proj = nn.Linear(d, 6 * d)
+        self.text_in = MLP2(cfg.text_dim, d, nn.GELU(approximate="tanh"))
+        self.layers = nn.ModuleList(WanBlock(cfg, ops) for _ in range(cfg.num_layers))
+        self.proj_out = nn.Linear(d, cfg.out_channels * cfg.patch_volume)
+        self.out_modulation = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
+
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks: the unit of FSDP sharding and activation recompute."""
+        return list(self.layers)
+
+    def rope_angles(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's cos / sin [tokens, 1, head_dim / 2]: the angles of its time, height and
+        width positions side by side (float64 angles, as diffusers makes them, then fp32)."""
+        limit = self.cfg.rope_max_seq_len
+        extent = max(max(g) for g in pack.grids)
+        if extent > limit:
+            raise ValueError(f"a sample {extent} patches long along one axis exceeds rope_max_seq_len={limit}")
+        device = self.patch_embedding.weight.device
+        axes = [torch.outer(torch.arange(extent, dtype=torch.float64, device=device), inv.to(device)) for inv in rope_inv_freqs(self.cfg)]
+        angles = []
+        for f, h, w in pack.grids:
+            t_, h_, w_ = (a[:n] for a, n in zip(axes, (f, h, w)))
+            angles.append(
+                torch.cat(
+                    [
+                        t_.view(f, 1, 1, -1).expand(f, h, w, -1),
+                        h_.view(1, h, 1, -1).expand(f, h, w, -1),
+                        w_.view(1, 1, w, -1).expand(f, h, w, -1),
+                    ],
+                    dim=-1,
+                ).reshape(f * h * w, 1, -1)
+            )
+        a = torch.cat(angles)
+        return a.cos().float(), a.sin().float()
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def forward(self, patches: torch.Tensor, pack: Pack, timestep: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """patches [tokens, channels * patch volume] of `pack`; timestep [samples] (or [tokens]:
+        one time per token, Wan2.2 TI2V's per-patch times); context [samples, context_len, text_dim]
+        -> predictions [tokens, out_channels * patch volume]."""
+        w = self.patch_embedding.weight
+        x = F.linear(patches.to(w.dtype), w.flatten(1), self.patch_embedding.bias)
+        temb = self.time_in(timestep_features(timestep, self.cfg.freq_dim).to(self.time_in.fc1.weight.dtype))
+        time_mod = self.time_proj(F.silu(temb)).float().unflatten(1, (6, -1))
+        context = self.text_in(context.to(self.text_in.fc1.weight.dtype))
+        cos, sin = self.rope_angles(pack)
+        for block in self.layers:
+            x = block(x, context, time_mod, cos, sin, pack)
+        shift, scale = (self.out_modulation.float() + temb.float()[:, None]).unbind(1)
+        x = modulate(F.layer_norm(x.float(), (x.shape[-1],), eps=self.cfg.eps), shift, scale, pack).type_as(x)
+        return self.proj_out(x)
+
+
+def patchify(latents: list[torch.Tensor], cfg: WanConfig, as_output: bool = False) -> tuple[torch.Tensor, Pack]:
+    """Latents [channels, frames, height, width] each -> patch rows [tokens, channels * patch
+    volume] and their pack. A row is laid out as the patch convolution's kernel (channel, then
+    offset in the patch) or, `as_output`, as the model's output rows (offset, then channel): the
+    layout to compare predictions with."""
+    pt, ph, pw = cfg.patch_size
+    rows, grids = [], []
+    for x in latents:
+        c, f, h, w = x.shape
+        want = cfg.out_channels if as_output else cfg.in_channels
+        if c != want or f % pt or h % ph or w % pw:
+            raise ValueError(f"latents {tuple(x.shape)}: expected {want} channels and sizes divisible by the patch {list(cfg.patch_size)}")
+        g = (f // pt, h // ph, w // pw)
+        order = (1, 3, 5, 2, 4, 6, 0) if as_output else (1, 3, 5, 0, 2, 4, 6)
+        rows.append(x.reshape(c, g[0], pt, g[1], ph, g[2], pw).permute(*order).reshape(math.prod(g), -1))
+        grids.append(g)
+    return torch.cat(rows), Pack.of(grids, latents[0].device)
+
+
+def unpatchify(out: torch.Tensor, pack: Pack, cfg: WanConfig) -> list[torch.Tensor]:
+    """Prediction rows [tokens, out_channels * patch volume] -> [out_channels, frames, height, width] each."""
+    pt, ph, pw = cfg.patch_size
+    res = []
+    for (f, h, w), seg in zip(pack.grids, out.split(torch.diff(pack.cu_seqlens).tolist())):
+        x = seg.reshape(f, h, w, pt, ph, pw, -1).permute(6, 0, 3, 1, 4, 2, 5)
+        res.append(x.reshape(-1, f * pt, h * ph, w * pw))
+    return res
+
+
+def predict(model: WanDiT, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+    """diffusers' call: latents [batch, channels, frames, height, width], timestep [batch] (or
+    [batch, tokens]: one time per patch token), text states [batch, context_len, text_dim] ->
+    the prediction [batch, out_channels, frames, height, width]."""
+    patches, pack = patchify(list(hidden_states), model.cfg)
+    t = timestep.reshape(-1) if timestep.dim() == 2 else timestep
+    return torch.stack(unpatchify(model(patches, pack, t, encoder_hidden_states), pack, model.cfg))
+
+
+def rope_inv_freqs(cfg: WanConfig) -> list[torch.Tensor]:
+    """The time, height and width groups' rotary frequencies (float64)."""
+    return [1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)) for d in cfg.rope_dims()]

@@ -1,0 +1,93 @@
+"""The `diffusion.wan` recipe: a Wan text-to-video transformer trained by flow matching on
+preprocessed latents, with core's trainer on the torch-native stack (DDP, ZeRO-1, FSDP2, HSDP)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from loongforge.core.accelerator import get_accelerator
+from loongforge.core.checkpoint.layout import write_durable
+from loongforge.core.errors import UserError
+from loongforge.core.ops import OpTable
+from loongforge.core.registry import registry
+from loongforge.core.stacks.build import build_stack
+from loongforge.core.train.precision import resolve_params_dtype
+from loongforge.core.train.run_dir import prepare_run_dir, run_identity, start_run_dir
+from loongforge.core.train.trainer import Trainer
+
+EMPTY_TEXT = "empty_text.safetensors"  # the empty prompt's text states: caption dropout and guidance
+FROZEN = "frozen.json"  # what generation loads: {"vae": dir, "text_encoder": dir}
+
+
+def latent_root(cfg, run_dir: Path) -> Path:
+    return run_dir / "data" / "demo" / "latents" if cfg.data.root == "demo" else Path(cfg.data.root)
+
+
+def validate(cfg) -> None:
+    if cfg.parallel.stack != "torch":
+        raise UserError(f"parallel.stack={cfg.parallel.stack}: Wan trains on the torch stack; set parallel.stack=torch")
+    cfg.model.check()
+    cfg.flow.validate()
+    if cfg.data.text_len < 1:
+        raise UserError(f"data.text_len={cfg.data.text_len} must be at least 1 (Wan: 512)")
+    if cfg.data.root != "demo" and not (Path(cfg.data.root) / "meta.json").is_file():
+        raise UserError(f"data.root={cfg.data.root}: not a preprocessed latent directory (run `loongforge-diffusion preprocess` first)")
+    load = cfg.checkpoint.load
+    if load:
+        from loongforge.diffusion.model_io import transformer_dir
+
+        if not (transformer_dir(Path(load)) / "config.json").is_file():
+            raise UserError(f"checkpoint.load={load}: expected a diffusers WanTransformer3DModel directory (config.json + weights)")
+
+
+def prepare_data(cfg, run_dir: Path) -> None:
+    """Rank 0, before training: the demo set (generated, then preprocessed), the frozen encoders'
+    record (tiny ones written into the run) and the empty prompt's text states."""
+    from loongforge.diffusion.data import encode_text, load_text_encoder, preprocess, save_frozen, write_demo_videos
+
+    if cfg.data.root == "demo":
+        d = cfg.data.demo
+        raw = write_demo_videos(
+            run_dir / "data" / "demo" / "raw", count=d.count, frames=d.frames, height=d.height, width=d.width, seed=cfg.data.seed
+        )
+        preprocess(
+            raw,
+            latent_root(cfg, run_dir),
+            vae_spec=cfg.frozen.vae,
+            text_spec=cfg.frozen.text_encoder,
+            buckets=[f"{d.height}x{d.width}x{d.frames}"],
+            fps=None,
+        )
+    frozen = save_frozen(cfg.frozen.vae, cfg.frozen.text_encoder, run_dir / "frozen")
+    write_durable(run_dir / FROZEN, json.dumps(frozen, indent=1))
+    if not (run_dir / EMPTY_TEXT).is_file():
+        from safetensors.torch import save_file
+
+        tok, enc = load_text_encoder(frozen["text_encoder"])
+        tmp = run_dir / f".{EMPTY_TEXT}.tmp"
+        save_file({"text": encode_text(tok, enc, [""])[0].contiguous()}, str(tmp))
+        tmp.replace(run_dir / EMPTY_TEXT)
+
+
+def run(cfg) -> dict:
+    from loongforge.diffusion.data import LatentDataset
+    from loongforge.diffusion.task import WanTask
+    from safetensors.torch import load_file
+
+    validate(cfg)
+    acc = get_accelerator()
+    params_dtype = resolve_params_dtype(cfg.train.params_dtype, acc)
+    stack, _ = build_stack(cfg.parallel, cfg.train, acc, params_dtype)
+    ops = OpTable.build(cfg.ops, registry(), acc.device_type)
+    run_dir = Path(cfg.checkpoint.run_dir)
+    identity = run_identity(cfg.train, model=cfg.model, flow=cfg.flow, data=cfg.data, frozen=cfg.frozen, load=cfg.checkpoint.load)
+    start = prepare_run_dir(cfg.checkpoint, identity)
+    start_run_dir(cfg.checkpoint, start, identity, lambda d: prepare_data(cfg, d))
+    dataset = LatentDataset(latent_root(cfg, run_dir))
+    empty = load_file(str(run_dir / EMPTY_TEXT))["text"]
+    load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    task = WanTask(cfg, dataset, empty, stack.dp_rank, stack.dp_size, acc.device(), ops, load)
+    trainer = Trainer(cfg.train, cfg.checkpoint, stack, acc, task, dataclasses.asdict(cfg), identity, ops)
+    return trainer.run(start.resume_from, verified=True)

@@ -1,0 +1,98 @@
+"""The Wan training task: preprocessed latents + text states -> the flow-matching loss.
+
+A micro-batch is `micro_batch_size` samples of any sizes, packed into one row of patch tokens
+(no padding to the largest sample). Each sample draws its own noise level, noise and caption
+dropout from a generator seeded by the micro-batch's first position, so a resumed run and any
+data-parallel layout draw what one uninterrupted process would. The loss is each sample's mean
+squared velocity error times its sigma weight, averaged over the global batch's samples (each
+sample counts once, whatever its size, as the published recipes average).
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from loongforge.core.data import rank_micro_batches
+from loongforge.core.data.mixture import DatasetMixture
+from loongforge.core.errors import UserError
+from loongforge.core.train.task import TrainingTask
+from loongforge.diffusion.flow_matching import loss_weight, noised, sample_u, shift_sigma
+from loongforge.diffusion.models.wan import WanDiT, patchify
+
+
+def pad_text(states: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Text states [L_i, D] each -> [n, length, D], zero-padded (cut past `length`), as Wan's
+    pipeline pads its umT5 states."""
+    return torch.stack([F.pad(s[:length], (0, 0, 0, length - min(len(s), length))) for s in states])
+
+
+class WanTask(TrainingTask):
+    unit = "samples"
+
+    def __init__(self, cfg, dataset, empty_text: torch.Tensor, dp_rank: int, dp_size: int, device, ops, load: Path | None = None):
+        self.cfg, self.dataset, self.dp_rank, self.dp_size, self.device, self.ops = cfg, dataset, dp_rank, dp_size, device, ops
+        self.empty_text, self.load = empty_text, load
+        self.order = DatasetMixture([dataset], [1.0], seed=cfg.data.seed)
+        self.units_per_step = cfg.train.global_batch_size
+        c = cfg.model
+        channels, width = dataset.meta["latent_channels"], dataset.meta["text_dim"]
+        if channels != c.in_channels or width != c.text_dim:
+            raise UserError(
+                f"{cfg.data.root}: latents of {channels} channels and text states of width {width}, "
+                f"but model.in_channels={c.in_channels} and model.text_dim={c.text_dim}"
+            )
+
+    def build_model(self) -> torch.nn.Module:
+        return WanDiT(self.cfg.model, self.ops).to(self.device)
+
+    def micro_batch(self, positions: list[int]) -> dict:
+        items = [self.dataset.get(self.order.index(p)[1]) for p in positions]
+        return {
+            "latents": [it["latents"].to(self.device) for it in items],
+            "text": [it["text"] for it in items],
+            "seed": zlib.crc32(f"flow:{self.cfg.data.seed}:{positions[0]}".encode()),
+        }
+
+    def batches(self, start_step: int):
+        t = self.cfg.train
+        step = start_step
+        while True:
+            mbs = rank_micro_batches(step, t.global_batch_size, t.micro_batch_size, self.dp_rank, self.dp_size)
+            yield [self.micro_batch(p) for p in mbs]
+            step += 1
+
+    def loss(self, model, mb):
+        flow, n = self.cfg.flow, len(mb["latents"])
+        g = torch.Generator(device=self.device).manual_seed(mb["seed"])
+        sigma = shift_sigma(sample_u(flow, n, g, self.device), flow.shift)
+        drop = torch.rand(n, generator=g, device=self.device) < flow.caption_dropout
+        texts = [self.empty_text if d else t for d, t in zip(drop.tolist(), mb["text"])]
+        context = pad_text(texts, self.cfg.data.text_len).to(self.device)
+        inputs, targets = [], []
+        for x0, s in zip(mb["latents"], sigma):
+            noise = torch.randn(x0.shape, generator=g, device=self.device, dtype=x0.dtype)
+            x_t, v = noised(x0, noise, s)
+            inputs.append(x_t)
+            targets.append(v)
+        patches, pack = patchify(inputs, self.cfg.model)
+        pred = model(patches, pack, sigma * flow.num_train_timesteps, context)
+        target, _ = patchify(targets, self.cfg.model, as_output=True)
+        per_token = (pred.float() - target.float()).square().mean(-1)
+        per_sample = torch.zeros(n, device=self.device).index_add_(0, pack.sample_of_token, per_token) / torch.diff(pack.cu_seqlens)
+        weighted = per_sample * loss_weight(flow, sigma)
+        return weighted.sum(), torch.tensor(float(n), device=self.device), {}
+
+    def initial_weights(self, model, optimizer, stack) -> int:
+        """A diffusers WanTransformer3DModel directory as the starting weights."""
+        if self.load is None:
+            return 0
+        from loongforge.diffusion.model_io import read_diffusers
+
+        cfg, state = read_diffusers(self.load)
+        if cfg != self.cfg.model:
+            raise UserError(f"checkpoint.load={self.load}: its config.json differs from the run's model section; copy its shape into model")
+        stack.load_full_state_dict(model, state)
+        return 0

@@ -1,0 +1,177 @@
+"""`loongforge-diffusion train / generate / convert`: the shipped demo trains (loss falls), resume
+gives the uninterrupted losses, 2 gloo processes equal one, the task's loss equals a by-hand
+flow-matching loss on diffusers' model, and bad input is one line, exit 2."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import losses, run_cli
+
+MODULE = "loongforge.diffusion.cli"
+SMALL = ["train.micro_batch_size=2", "train.global_batch_size=4", "train.log_interval=1", "data.demo.count=8"]
+
+
+def train(args, nproc: int = 1):
+    return run_cli(["train", "wan_tiny", *args], nproc=nproc, module=MODULE)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    d = tmp_path_factory.mktemp("straight")
+    r = train([*SMALL, "train.train_iters=4", f"checkpoint.run_dir={d}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def test_demo_writes_its_run_dir(straight):
+    got = losses(straight)
+    assert sorted(got) == [1, 2, 3, 4] and all(math.isfinite(v) and v > 0 for v in got.values())
+    assert (straight / "checkpoints" / "latest").read_text() == "step_00000004"
+    frozen = json.loads((straight / "frozen.json").read_text())
+    assert (straight / "frozen" / "vae" / "config.json").is_file() and frozen["vae"].endswith("vae")
+    meta = json.loads((straight / "data" / "demo" / "latents" / "meta.json").read_text())
+    assert meta["latent_channels"] == 4
+
+
+def test_resume_gives_the_uninterrupted_losses(straight, tmp_path):
+    first = train([*SMALL, "train.train_iters=2", f"checkpoint.run_dir={tmp_path}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = train([*SMALL, "train.train_iters=4", f"checkpoint.run_dir={tmp_path}"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "at step 2" in second.stdout, second.stdout[-2000:]
+    want, got = losses(straight), losses(tmp_path)
+    for step in (3, 4):
+        assert abs(got[step] - want[step]) <= 1e-6 * abs(want[step]), (step, got[step], want[step])
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_equal_one(straight, tmp_path):
+    for mode in ("ddp", "fsdp"):
+        d = tmp_path / mode
+        r = train([*SMALL, "train.train_iters=4", f"parallel.data_parallel_mode={mode}", f"checkpoint.run_dir={d}"], nproc=2)
+        assert r.returncode == 0, r.stderr[-3000:]
+        want, got = losses(straight), losses(d)
+        assert sorted(got) == [1, 2, 3, 4]
+        for step in want:
+            assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (mode, step, got[step], want[step])
+
+
+def test_loss_falls_then_generate_and_convert(tmp_path):
+    import av
+    from diffusers import WanTransformer3DModel
+    from loongforge.core.checkpoint.dcp_io import read_run
+    from loongforge.diffusion.config import WanRunConfig
+    from loongforge.diffusion.models.wan import WAN_TABLE
+
+    run = tmp_path / "run"
+    r = train(["train.train_iters=60", "train.log_interval=10", "data.demo.count=8", f"checkpoint.run_dir={run}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = losses(run)
+    assert got[60] < 0.5 * got[10], got
+
+    out = tmp_path / "clip.mp4"
+    g = run_cli(["generate", str(run), "--prompt", "a red square moving right", "--out", str(out), "--steps", "3"], module=MODULE)
+    assert g.returncode == 0, g.stderr[-3000:]
+    with av.open(str(out)) as c:
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(frames) == 9 and frames[0].shape == (64, 64, 3)
+    again = run_cli(["generate", str(run), "--prompt", "x", "--out", str(out)], module=MODULE)
+    assert again.returncode == 2 and "exists" in again.stderr.strip().splitlines()[-1]
+    png = tmp_path / "one.png"
+    g = run_cli(["generate", str(run), "--prompt", "a blue circle", "--out", str(png), "--frames", "1", "--steps", "2"], module=MODULE)
+    assert g.returncode == 0 and png.is_file(), g.stderr[-3000:]
+    bad = run_cli(["generate", str(run), "--prompt", "x", "--out", str(tmp_path / "b.mp4"), "--frames", "8"], module=MODULE)
+    assert bad.returncode == 2 and "--frames=8: must be 4k + 1" in bad.stderr.strip().splitlines()[-1]
+
+    c = run_cli(["convert", str(run), str(tmp_path / "export")], module=MODULE)
+    assert c.returncode == 0, c.stderr[-3000:]
+    hf = WanTransformer3DModel.from_pretrained(tmp_path / "export").state_dict()
+    _, state = read_run(run, WanRunConfig, "diffusion.wan")
+    from loongforge.core.foundation.hf_mapping import lf_to_hf
+
+    cfg = WanRunConfig().model.__class__.from_diffusers(json.loads((tmp_path / "export" / "config.json").read_text()))
+    want = lf_to_hf(WAN_TABLE, state, cfg)
+    assert set(want) == set(hf) and all(torch.equal(want[k], hf[k]) for k in hf)
+    again = run_cli(["convert", str(run), str(tmp_path / "export")], module=MODULE)
+    assert again.returncode == 2
+
+
+def test_task_loss_equals_flow_matching_by_hand_on_diffusers_model():
+    """One packed micro-batch of two sizes: the task's loss is the mean over samples of each
+    sample's mean squared velocity error, diffusers' model predicting each sample alone."""
+    from diffusers import WanTransformer3DModel
+    from loongforge.core.foundation.hf_mapping import lf_to_hf
+    from loongforge.diffusion.config import WanRunConfig
+    from loongforge.diffusion.flow_matching import sample_u, shift_sigma
+    from loongforge.diffusion.models.wan import WAN_TABLE
+    from loongforge.diffusion.task import WanTask, pad_text
+
+    cfg = WanRunConfig()
+    cfg.flow.shift, cfg.flow.caption_dropout, cfg.data.text_len = 3.0, 0.5, 6
+    items = [
+        {"latents": torch.randn(4, 3, 4, 6), "text": torch.randn(5, cfg.model.text_dim)},
+        {"latents": torch.randn(4, 1, 8, 4), "text": torch.randn(3, cfg.model.text_dim)},
+    ]
+
+    class Latents(list):
+        meta = {"latent_channels": 4, "text_dim": cfg.model.text_dim}
+        get = list.__getitem__
+
+    ds = Latents(items)
+    empty = torch.randn(1, cfg.model.text_dim)
+    task = WanTask(cfg, ds, empty, 0, 1, torch.device("cpu"), None)
+    torch.manual_seed(0)
+    model = task.build_model()
+    mb = {"latents": [it["latents"] for it in items], "text": [it["text"] for it in items], "seed": 1234}
+    with torch.no_grad():
+        total, weight, _ = task.loss(model, mb)
+
+    ref = WanTransformer3DModel(**{k: v for k, v in cfg.model.diffusers_config().items() if not k.startswith("_")})
+    ref.load_state_dict(lf_to_hf(WAN_TABLE, model.state_dict(), cfg.model))
+    g = torch.Generator().manual_seed(1234)
+    sigma = shift_sigma(sample_u(cfg.flow, 2, g, "cpu"), 3.0)
+    drop = torch.rand(2, generator=g) < 0.5
+    texts = [empty if d else it["text"] for d, it in zip(drop.tolist(), items)]
+    want = []
+    for it, s, t in zip(items, sigma, texts):
+        x0 = it["latents"]
+        noise = torch.randn(x0.shape, generator=g)
+        with torch.no_grad():
+            pred = ref((1 - s) * x0[None] + s * noise[None], (s * 1000)[None], pad_text([t], 6), return_dict=False)[0][0]
+        want.append((pred - (noise - x0)).square().mean())
+    assert weight.item() == 2.0
+    assert abs(total.item() - sum(want).item()) <= 1e-5 * abs(sum(want).item())
+
+
+def test_flow_matching_schedule():
+    from loongforge.diffusion.flow_matching import FlowMatchingConfig, loss_weight, sample_u, shift_sigma
+
+    u = torch.tensor([0.0, 0.25, 0.5, 1.0])
+    torch.testing.assert_close(shift_sigma(u, 1.0), u)
+    torch.testing.assert_close(shift_sigma(u, 3.0), torch.tensor([0.0, 0.5, 0.75, 1.0]))
+    s = torch.tensor([0.5])
+    torch.testing.assert_close(loss_weight(FlowMatchingConfig(loss_weighting="cosmap"), s), torch.tensor([2 / (math.pi * 0.5)]))
+    torch.testing.assert_close(loss_weight(FlowMatchingConfig(loss_weighting="sigma_sqrt"), s), torch.tensor([4.0]))
+    draws = sample_u(FlowMatchingConfig(timestep_sampling="logit_normal"), 20000, torch.Generator().manual_seed(0), "cpu")
+    assert 0 < draws.min() and draws.max() < 1 and abs(draws.median().item() - 0.5) < 0.02
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("parallel.stack=megatron", "Wan trains on the torch stack"),
+        ("data.root=/nonexistent/latents", "not a preprocessed latent directory"),
+        ("flow.timestep_sampling=beta", "flow.timestep_sampling='beta': choose one of"),
+        ("flow.shift=0", "flow.shift=0.0 must be positive"),
+        ("model.in_channels=8", "but model.in_channels=8"),
+        ("checkpoint.load=/nonexistent/wan", "expected a diffusers WanTransformer3DModel directory"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, override, message):
+    r = train([*SMALL, "train.train_iters=1", f"checkpoint.run_dir={tmp_path}", override])
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert message in last, last
+    assert "Traceback" not in r.stderr
