@@ -66,6 +66,14 @@ class WanConfig:
     def repeats(self) -> dict[str, int]:
         return {"i": self.num_layers}
 
+    def train_flops(self, tokens: int, text_len: int) -> float:
+        """Matmul FLOPs of one sample's forward + backward (3x forward): the layers' projections,
+        MLP and both attentions, the patch / text embeddings and the output projection."""
+        d, f, n = self.hidden_size, self.ffn_dim, self.num_layers
+        per_layer = 2 * (6 * d * d + 2 * d * f) * tokens + 2 * 2 * d * d * text_len + 4 * tokens * tokens * d + 4 * tokens * text_len * d
+        io = 2 * tokens * d * (self.in_channels + self.out_channels) * self.patch_volume + 2 * text_len * (self.text_dim * d + d * d)
+        return 3.0 * (n * per_layer + io)
+
     def check(self) -> None:
         if len(self.patch_size) != 3 or any(int(p) < 1 for p in self.patch_size):
             raise UserError(f"model.patch_size={list(self.patch_size)}: three positive sizes (time, height, width)")
