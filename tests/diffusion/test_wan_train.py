@@ -175,3 +175,42 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, override, message):
     last = r.stderr.strip().splitlines()[-1]
     assert message in last, last
     assert "Traceback" not in r.stderr
+
+
+def test_preprocess_cli_then_train_on_its_output(tmp_path):
+    """The real data path: `preprocess` a captioned folder (with one missing video, skipped and
+    counted), then train on the latent directory it wrote."""
+    from loongforge.diffusion.data import write_demo_videos
+
+    src = write_demo_videos(tmp_path / "clips", count=4, frames=5, height=32, width=32)
+    with open(src / "captions.jsonl", "a") as f:
+        f.write(json.dumps({"video": "videos/missing.mp4", "caption": "gone"}) + "\n")
+    r = run_cli(["preprocess", str(src), str(tmp_path / "latents"), "--buckets", "32x32x5", "--fps", "0"], module=MODULE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == 4 and summary["bad"] == {"missing": 1}
+    run = tmp_path / "run"
+    t = train(
+        [
+            "train.train_iters=2",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            f"data.root={tmp_path / 'latents'}",
+            f"checkpoint.run_dir={run}",
+        ]
+    )
+    assert t.returncode == 0, t.stderr[-3000:]
+    assert max(losses(run)) == 2
+
+
+def test_shipped_published_config_is_wan21_t2v_1p3b():
+    from loongforge.core.config import load_config
+    from loongforge.diffusion.config import CONFIG_DIR, WanRunConfig
+
+    cfg = load_config(WanRunConfig, CONFIG_DIR / "wan2.1_t2v_1.3b.yaml")
+    published = {  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json
+        "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
+        "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True, "eps": 1e-6,
+        "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 1024, "image_dim": None, "added_kv_proj_dim": None,
+    }  # fmt: skip
+    assert type(cfg.model).from_diffusers({"_class_name": "WanTransformer3DModel", **published}) == cfg.model
