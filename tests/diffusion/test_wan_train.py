@@ -48,9 +48,12 @@ def test_resume_gives_the_uninterrupted_losses(straight, tmp_path):
 
 @pytest.mark.slow
 def test_two_gloo_processes_equal_one(straight, tmp_path):
-    for mode in ("ddp", "fsdp"):
-        d = tmp_path / mode
-        r = train([*SMALL, "train.train_iters=4", f"parallel.data_parallel_mode={mode}", f"checkpoint.run_dir={d}"], nproc=2)
+    """DDP and FSDP2 (each rank half the samples) and Ulysses context parallel (both ranks every
+    sample, each half of its tokens) give the one-process losses."""
+    for mode, cp in (("ddp", 1), ("fsdp", 1), ("ddp", 2)):
+        d = tmp_path / f"{mode}{cp}"
+        extra = [f"parallel.data_parallel_mode={mode}", f"parallel.context_parallel_size={cp}"]
+        r = train([*SMALL, "train.train_iters=4", *extra, f"checkpoint.run_dir={d}"], nproc=2)
         assert r.returncode == 0, r.stderr[-3000:]
         want, got = losses(straight), losses(d)
         assert sorted(got) == [1, 2, 3, 4]
@@ -167,6 +170,7 @@ def test_flow_matching_schedule():
         ("flow.shift=0", "flow.shift=0.0 must be positive"),
         ("model.in_channels=8", "but model.in_channels=8"),
         ("checkpoint.load=/nonexistent/wan", "expected a diffusers WanTransformer3DModel directory"),
+        ("parallel.context_parallel_size=3", "must divide model.num_attention_heads=4"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, override, message):

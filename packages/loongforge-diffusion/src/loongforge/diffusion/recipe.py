@@ -29,6 +29,9 @@ def validate(cfg) -> None:
     if cfg.parallel.stack != "torch":
         raise UserError(f"parallel.stack={cfg.parallel.stack}: Wan trains on the torch stack; set parallel.stack=torch")
     cfg.model.check()
+    cp = cfg.parallel.context_parallel_size
+    if cp > 1 and cfg.model.num_attention_heads % cp:
+        raise UserError(f"parallel.context_parallel_size={cp} must divide model.num_attention_heads={cfg.model.num_attention_heads}")
     cfg.flow.validate()
     if cfg.data.text_len < 1:
         raise UserError(f"data.text_len={cfg.data.text_len} must be at least 1 (Wan: 512)")
@@ -79,7 +82,7 @@ def run(cfg) -> dict:
     validate(cfg)
     acc = get_accelerator()
     params_dtype = resolve_params_dtype(cfg.train.params_dtype, acc)
-    stack, _ = build_stack(cfg.parallel, cfg.train, acc, params_dtype)
+    stack, _ = build_stack(cfg.parallel, cfg.train, acc, params_dtype, context_parallel=True)
     ops = OpTable.build(cfg.ops, registry(), acc.device_type)
     run_dir = Path(cfg.checkpoint.run_dir)
     identity = run_identity(cfg.train, model=cfg.model, flow=cfg.flow, data=cfg.data, frozen=cfg.frozen, load=cfg.checkpoint.load)
@@ -88,6 +91,6 @@ def run(cfg) -> dict:
     dataset = LatentDataset(latent_root(cfg, run_dir))
     empty = load_file(str(run_dir / EMPTY_TEXT))["text"]
     load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
-    task = WanTask(cfg, dataset, empty, stack.dp_rank, stack.dp_size, acc.device(), ops, load)
+    task = WanTask(cfg, dataset, empty, stack.data_rank, stack.data_size, acc.device(), ops, load, stack.cp_group)
     trainer = Trainer(cfg.train, cfg.checkpoint, stack, acc, task, dataclasses.asdict(cfg), identity, ops)
     return trainer.run(start.resume_from, verified=True)

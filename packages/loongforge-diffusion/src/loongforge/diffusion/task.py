@@ -14,10 +14,12 @@ import zlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from loongforge.core.data import rank_micro_batches
 from loongforge.core.data.mixture import DatasetMixture
 from loongforge.core.errors import UserError
+from loongforge.core.parallel.ulysses import local_range
 from loongforge.core.train.task import TrainingTask
 from loongforge.diffusion.flow_matching import loss_weight, noised, sample_u, shift_sigma
 from loongforge.diffusion.models.wan import WanDiT, patchify
@@ -32,9 +34,13 @@ def pad_text(states: list[torch.Tensor], length: int) -> torch.Tensor:
 class WanTask(TrainingTask):
     unit = "samples"
 
-    def __init__(self, cfg, dataset, empty_text: torch.Tensor, dp_rank: int, dp_size: int, device, ops, load: Path | None = None):
-        self.cfg, self.dataset, self.dp_rank, self.dp_size, self.device, self.ops = cfg, dataset, dp_rank, dp_size, device, ops
-        self.empty_text, self.load = empty_text, load
+    def __init__(
+        self, cfg, dataset, empty_text: torch.Tensor, data_rank: int, data_size: int, device, ops, load: Path | None = None, cp_group=None
+    ):
+        """`data_rank` / `data_size`: this rank's share of the samples; `cp_group`: the ranks
+        that split each micro-batch's tokens with this one (Ulysses context parallel), or None."""
+        self.cfg, self.dataset, self.data_rank, self.data_size, self.device, self.ops = cfg, dataset, data_rank, data_size, device, ops
+        self.empty_text, self.load, self.cp_group = empty_text, load, cp_group
         self.order = DatasetMixture([dataset], [1.0], seed=cfg.data.seed)
         self.units_per_step = cfg.train.global_batch_size
         c = cfg.model
@@ -60,7 +66,7 @@ class WanTask(TrainingTask):
         t = self.cfg.train
         step = start_step
         while True:
-            mbs = rank_micro_batches(step, t.global_batch_size, t.micro_batch_size, self.dp_rank, self.dp_size)
+            mbs = rank_micro_batches(step, t.global_batch_size, t.micro_batch_size, self.data_rank, self.data_size)
             yield [self.micro_batch(p) for p in mbs]
             step += 1
 
@@ -78,12 +84,16 @@ class WanTask(TrainingTask):
             inputs.append(x_t)
             targets.append(v)
         patches, pack = patchify(inputs, self.cfg.model)
-        pred = model(patches, pack, sigma * flow.num_train_timesteps, context)
+        pred = model(patches, pack, sigma * flow.num_train_timesteps, context, self.cp_group)
         target, _ = patchify(targets, self.cfg.model, as_output=True)
-        per_token = (pred.float() - target.float()).square().mean(-1)
-        per_sample = torch.zeros(n, device=self.device).index_add_(0, pack.sample_of_token, per_token) / torch.diff(pack.cu_seqlens)
-        weighted = per_sample * loss_weight(flow, sigma)
-        return weighted.sum(), torch.tensor(float(n), device=self.device), {}
+        start, end = 0, target.shape[0]
+        if self.cp_group is not None:  # this rank's tokens; their errors sum with the others' of its group
+            start, end = local_range(end, dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group))
+        per_token = (pred.float() - target[start:end].float()).square().mean(-1)
+        sums = torch.zeros(n, device=self.device).index_add_(0, pack.sample_of_token[start:end], per_token)
+        weighted = sums / torch.diff(pack.cu_seqlens) * loss_weight(flow, sigma)
+        first = self.cp_group is None or dist.get_rank(self.cp_group) == 0  # each sample counted once
+        return weighted.sum(), torch.tensor(float(n if first else 0), device=self.device), {}
 
     def initial_weights(self, model, optimizer, stack) -> int:
         """A diffusers WanTransformer3DModel directory as the starting weights."""

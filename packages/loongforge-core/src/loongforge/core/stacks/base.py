@@ -12,9 +12,22 @@ Select = Optional[Callable[[str], bool]]  # model tensor name -> whether checkpo
 
 class TrainStack:
     name = "base"
-    dp_size: int = 1  # ranks that see different data
+    dp_size: int = 1  # ranks whose gradients are averaged (each sees different data, or another share of the same tokens under CP)
     dp_rank: int = 0
     dp_group = None  # process group over those ranks (None with one)
+    cp_size: int = 1  # context parallel: consecutive ranks that split each micro-batch's tokens
+    cp_rank: int = 0
+    cp_group = None
+
+    @property
+    def data_size(self) -> int:
+        """Ranks that see different data."""
+        return self.dp_size // self.cp_size
+
+    @property
+    def data_rank(self) -> int:
+        return self.dp_rank // self.cp_size
+
     activation_shape = None  # pipeline parallel: the task's activations between stages (the trainer sets it)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -31,15 +31,21 @@ def expert_replication(par, ep: int):
     return par.expert_spare_slots, par.expert_replan_interval, per_node
 
 
-def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype):
+def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype, context_parallel: bool = False):
     """Join the process group and lay out the ranks for `parallel_cfg.stack`; returns
     (stack, ParallelContext or None). The megatron stack's context gives TP/PP/DP groups; the
-    torch stack has data parallelism only."""
+    torch stack has data parallelism, and context parallelism for recipes whose models split a
+    sample's tokens (`context_parallel`)."""
     from loongforge.core.train.run_dir import check_batch_sizes
 
     par = parallel_cfg
     if par.stack not in STACKS:
         raise UserError(f"parallel.stack={par.stack!r}: choose one of {', '.join(STACKS)}")
+    if par.context_parallel_size != 1 and (not context_parallel or par.stack != "torch"):
+        raise UserError(
+            f"parallel.context_parallel_size={par.context_parallel_size}: this recipe on parallel.stack={par.stack} has no "
+            "context parallelism; set it to 1 (diffusion.wan supports it on the torch stack)"
+        )
     if par.stack == "megatron":
         from loongforge.core.parallel import init_parallel
         from loongforge.core.stacks.megatron import MegatronStack
@@ -63,5 +69,5 @@ def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype):
 
     init_process_group(acc.backend, acc.device_type)
     stack = TorchNativeStack(par, acc.device(), params_dtype, train_cfg.master_weights, train_cfg.recompute, autocast=acc.autocast)
-    check_batch_sizes(train_cfg, stack.dp_size)
+    check_batch_sizes(train_cfg, stack.data_size)
     return stack, None

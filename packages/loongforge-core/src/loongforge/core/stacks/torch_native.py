@@ -9,7 +9,10 @@ Modes (`parallel.data_parallel_mode`):
   gradients and optimizer state sharded, DTensors); the reduce-scatter averages the gradients.
 - `hsdp`: FSDP over a 2-D mesh (`data_parallel_replicas` replica rows x shards).
 On one rank fsdp and hsdp do not wrap the model (nothing to shard) and train as ddp does.
-Every rank sees different data in every mode, so `dp_size` is the world size.
+Every rank sees different data in every mode, so `dp_size` is the world size; with context
+parallelism (`context_parallel_size` consecutive ranks splitting each micro-batch's tokens, for
+recipes that support it) the ranks of one group see the same samples and their gradients are
+summed in the same average.
 
 Precision: fp32; bf16 with fp32 masters (fsdp: MixedPrecisionPolicy over fp32 sharded params;
 ddp/zero1: `MasterWeights`); pure bf16 (`master_weights=False`). Checkpoints are torch DCP
@@ -127,6 +130,13 @@ class TorchNativeStack(TrainStack):
         self.dp_size = world
         self.dp_rank = dist.get_rank()
         self.dp_group = dist.group.WORLD if world > 1 else None
+        cp = parallel_cfg.context_parallel_size
+        if cp < 1 or world % cp:
+            raise UserError(f"parallel.context_parallel_size={cp} must divide the world size {world}")
+        self.cp_size, self.cp_rank = cp, self.dp_rank % cp
+        if cp > 1:  # every rank joins every group's creation, in the same order
+            groups = [dist.new_group(list(range(s, s + cp))) for s in range(0, world, cp)]
+            self.cp_group = groups[self.dp_rank // cp]
         self.low_precision: MasterWeights | PureLowPrecision | None = None
         self._params: list[torch.nn.Parameter] = []  # every trainable parameter the gradients live on (masters where there are)
         self._owner: list[int] = []  # zero1: owning rank of each of `_params`
@@ -292,4 +302,5 @@ class TorchNativeStack(TrainStack):
             "data_parallel_mode": self.mode,
             "data_parallel_size": self.dp_size,
             "data_parallel_replicas": self.replicas,
+            "context_parallel_size": self.cp_size,
         }

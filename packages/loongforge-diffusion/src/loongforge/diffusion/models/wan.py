@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import Row
 from loongforge.core.ops import OpTable
+from loongforge.core.parallel.ulysses import heads_to_seq, local_range, seq_to_heads
 from torch import nn
 
 
@@ -155,17 +156,27 @@ WAN_TABLE = (
 @dataclass
 class Pack:
     """Samples of any sizes as one row of patch tokens: `grids[i]` = sample i's (frames, height,
-    width) in patches, `cu_seqlens` its token bounds, `sample_of_token` each token's sample."""
+    width) in patches, `cu_seqlens` its token bounds. Under context parallelism (`cp_group`) this
+    rank holds tokens [start, end) of the row between attentions: `sample_of_token` and
+    `local_cu` (each sample's bounds within the slice) describe those; otherwise the slice is the
+    whole row."""
 
     grids: list[tuple[int, int, int]]
     cu_seqlens: torch.Tensor
     sample_of_token: torch.Tensor
+    local_cu: torch.Tensor
+    start: int = 0
+    end: int = 0
+    cp_group: object = None
 
     @classmethod
-    def of(cls, grids: list[tuple[int, int, int]], device) -> "Pack":
+    def of(cls, grids: list[tuple[int, int, int]], device, start: int = 0, end: int | None = None, cp_group=None) -> "Pack":
         lens = torch.tensor([f * h * w for f, h, w in grids], device=device)
         cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
-        return cls(list(grids), cu, torch.repeat_interleave(torch.arange(len(grids), device=device), lens))
+        total = int(cu[-1])
+        end = total if end is None else end
+        owner = torch.repeat_interleave(torch.arange(len(grids), device=device), lens)
+        return cls(list(grids), cu, owner[start:end], (cu - start).clamp(0, end - start), start, end, cp_group)
 
     @property
     def max_len(self) -> int:
@@ -221,7 +232,12 @@ class SelfAttention(nn.Module):
         q = self.ops.rms_norm(q, self.norm_q.weight, self.eps).view(t, self.heads, -1)
         k = self.ops.rms_norm(k, self.norm_k.weight, self.eps).view(t, self.heads, -1)
         q, k = self.ops.rotary(q, k, cos, sin, True)
-        o = self.ops.packed_attention(q, k, v.view(t, self.heads, -1), pack.cu_seqlens, pack.cu_seqlens, None, pack.max_len, pack.max_len)
+        v = v.reshape(t, self.heads, -1)
+        if pack.cp_group is not None:  # every token of the row, for this rank's share of the heads
+            q, k, v = (seq_to_heads(u, pack.cp_group) for u in (q, k, v))
+        o = self.ops.packed_attention(q, k, v, pack.cu_seqlens, pack.cu_seqlens, None, pack.max_len, pack.max_len)
+        if pack.cp_group is not None:
+            o = heads_to_seq(o, pack.cp_group)
         return self.out(o.reshape(t, d))
 
 
@@ -243,7 +259,7 @@ class CrossAttention(nn.Module):
         k, v = self.kv(context.reshape(n * c, d)).chunk(2, dim=-1)
         k = self.ops.rms_norm(k, self.norm_k.weight, self.eps).view(n * c, self.heads, -1)
         cu_k = torch.arange(0, (n + 1) * c, c, device=x.device, dtype=torch.int32)
-        o = self.ops.packed_attention(q, k, v.reshape(n * c, self.heads, -1), pack.cu_seqlens, cu_k, None, pack.max_len, c)
+        o = self.ops.packed_attention(q, k, v.reshape(n * c, self.heads, -1), pack.local_cu, cu_k, None, pack.max_len, c)
         return self.out(o.reshape(t, d))
 
 
@@ -332,21 +348,48 @@ class WanDiT(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def forward(self, patches: torch.Tensor, pack: Pack, timestep: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, patches: torch.Tensor, pack: Pack, timestep: torch.Tensor, context: torch.Tensor, cp_group=None) -> torch.Tensor:
         """patches [tokens, channels * patch volume] of `pack`; timestep [samples] (or [tokens]:
         one time per token, Wan2.2 TI2V's per-patch times); context [samples, context_len, text_dim]
-        -> predictions [tokens, out_channels * patch volume]."""
+        -> predictions [tokens, out_channels * patch volume]. With `cp_group` (Ulysses context
+        parallel) every rank of the group gets the whole micro-batch and returns the rows of its
+        `local_range` of the tokens."""
+        total = patches.shape[0]
+        if cp_group is not None:
+            patches, pack, timestep, context = _pad_for(cp_group, patches, pack, timestep, context)
         w = self.patch_embedding.weight
-        x = F.linear(patches.to(w.dtype), w.flatten(1), self.patch_embedding.bias)
+        x = F.linear(patches[pack.start : pack.end].to(w.dtype), w.flatten(1), self.patch_embedding.bias)
         temb = self.time_in(timestep_features(timestep, self.cfg.freq_dim).to(self.time_in.fc1.weight.dtype))
+        if timestep.shape[0] == int(pack.cu_seqlens[-1]) and len(pack.grids) != timestep.shape[0]:
+            temb = temb[pack.start : pack.end]  # one time per token: this rank's tokens'
         time_mod = self.time_proj(F.silu(temb)).float().unflatten(1, (6, -1))
         context = self.text_in(context.to(self.text_in.fc1.weight.dtype))
         cos, sin = self.rope_angles(pack)
+        cos, sin = cos[pack.start : pack.end], sin[pack.start : pack.end]
         for block in self.layers:
             x = block(x, context, time_mod, cos, sin, pack)
         shift, scale = (self.out_modulation.float() + temb.float()[:, None]).unbind(1)
         x = modulate(F.layer_norm(x.float(), (x.shape[-1],), eps=self.cfg.eps), shift, scale, pack).type_as(x)
-        return self.proj_out(x)
+        return self.proj_out(x[: max(0, min(pack.end, total) - pack.start)])
+
+
+def _pad_for(group, patches, pack: Pack, timestep, context):
+    """The row padded to a multiple of the group's size with one dummy sample (its own attention,
+    time 0, an all-zero context; its rows are dropped from the output), and this rank's slice."""
+    import torch.distributed as dist
+
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    total = patches.shape[0]
+    pad = -total % cp
+    grids = list(pack.grids)
+    if pad:
+        per_token = timestep.shape[0] == total and len(grids) != total
+        patches = torch.cat([patches, patches.new_zeros(pad, patches.shape[1])])
+        grids.append((1, 1, pad))
+        timestep = torch.cat([timestep, timestep.new_zeros(pad if per_token else 1)])
+        context = torch.cat([context, context.new_zeros(1, *context.shape[1:])])
+    start, end = local_range(total + pad, rank, cp)
+    return patches, Pack.of(grids, patches.device, start, end, group), timestep, context
 
 
 def patchify(latents: list[torch.Tensor], cfg: WanConfig, as_output: bool = False) -> tuple[torch.Tensor, Pack]:
