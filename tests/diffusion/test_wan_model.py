@@ -145,3 +145,33 @@ def test_unimplemented_config_fields_are_named(tmp_path, change, message):
     with pytest.raises(UserError) as e:
         read_diffusers(tmp_path)
     assert message in str(e.value)
+
+
+def test_two_experts_route_each_sample_by_its_time(pair):
+    """Wan2.2 A14B: samples at t >= boundary go to the high-noise transformer, the rest to the
+    low-noise one (each equal to diffusers' model with that expert's weights); a pack with no
+    low-noise sample still runs the low expert (zero-weighted), so its weights get gradients."""
+    from diffusers import WanTransformer3DModel
+    from loongforge.core.foundation.hf_mapping import lf_to_hf
+    from loongforge.diffusion.models.wan import WanExperts
+
+    torch.manual_seed(5)
+    model = WanExperts(CFG, boundary=875.0)
+    refs = {}
+    for name in ("high", "low"):
+        refs[name] = WanTransformer3DModel(**{k: v for k, v in CFG.diffusers_config().items() if not k.startswith("_")}).eval()
+        refs[name].load_state_dict(lf_to_hf(WAN_TABLE, getattr(model, name).state_dict(), CFG))
+    xs = [torch.randn(4, 3, 4, 6), torch.randn(4, 1, 4, 4), torch.randn(4, 5, 2, 2)]
+    t = torch.tensor([900.0, 100.0, 875.0])
+    c = torch.randn(3, 7, CFG.text_dim)
+    patches, pack = patchify(xs, CFG)
+    with torch.no_grad():
+        outs = unpatchify(model(patches, pack, t, c), pack, CFG)
+    for i, name in enumerate(("high", "low", "high")):
+        want = refs[name](xs[i][None], t[i : i + 1], c[i : i + 1], return_dict=False)[0][0]
+        assert rel(outs[i], want) < 1e-5, (i, name)
+    only_high = model(*patchify(xs[:1], CFG), t[:1], c[:1])
+    only_high.square().sum().backward()
+    assert all(p.grad is not None for p in model.low.parameters())
+    assert all(p.grad.abs().max() == 0 for p in model.low.parameters())
+    assert any(p.grad.abs().max() > 0 for p in model.high.parameters())

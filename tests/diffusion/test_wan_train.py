@@ -218,3 +218,35 @@ def test_shipped_published_config_is_wan21_t2v_1p3b():
         "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 1024, "image_dim": None, "added_kv_proj_dim": None,
     }  # fmt: skip
     assert type(cfg.model).from_diffusers({"_class_name": "WanTransformer3DModel", **published}) == cfg.model
+
+
+@pytest.mark.slow
+def test_two_experts_train_on_two_gloo_processes_as_on_one(tmp_path):
+    """Wan2.2 A14B's two transformers in one run: FSDP2 on 2 gloo processes (whose samples go to
+    different experts) gives the one-process losses; both experts train; the export holds
+    transformer/ and transformer_2/ and starts a new run (checkpoint.load) with those weights."""
+    from loongforge.core.checkpoint.dcp_io import read_run
+    from loongforge.diffusion.config import WanRunConfig
+
+    experts = [*SMALL, "train.train_iters=3", "boundary_ratio=0.5"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = train([*experts, f"checkpoint.run_dir={one}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train([*experts, "parallel.data_parallel_mode=fsdp", f"checkpoint.run_dir={two}"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = losses(one), losses(two)
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
+    _, state = read_run(one, WanRunConfig, "diffusion.wan")
+    assert {k.split(".", 1)[0] for k in state} == {"high", "low"}
+
+    c = run_cli(["convert", str(one), str(tmp_path / "export")], module=MODULE)
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert (tmp_path / "export" / "transformer" / "config.json").is_file() and (
+        tmp_path / "export" / "transformer_2" / "config.json"
+    ).is_file()
+    again = tmp_path / "again"
+    r = train([*experts, "train.train_iters=1", "train.lr=0", f"checkpoint.load={tmp_path / 'export'}", f"checkpoint.run_dir={again}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    _, back = read_run(again, WanRunConfig, "diffusion.wan", ema=False)
+    assert all(torch.equal(back[k], state[k]) for k in state)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
 from loongforge.diffusion.flow_matching import FlowMatchingConfig
@@ -47,6 +47,10 @@ class FrozenConfig:
 class WanRunConfig:
     recipe: str = "diffusion.wan"
     model: WanConfig = field(default_factory=WanConfig)
+    # Wan2.2 A14B: two transformers of the model's shape trained together, the high-noise one for
+    # times >= boundary_ratio * flow.num_train_timesteps, the low-noise one below (0.875 for
+    # A14B text-to-video); None: one transformer
+    boundary_ratio: Optional[float] = None
     flow: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
     data: LatentDataConfig = field(default_factory=LatentDataConfig)
     frozen: FrozenConfig = field(default_factory=FrozenConfig)

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from loongforge.core.errors import UserError
-from loongforge.diffusion.models.wan import WanDiT, predict
-from loongforge.diffusion.task import pad_text
+from loongforge.diffusion.models.wan import predict
+from loongforge.diffusion.task import build_transformer, pad_text
 
 SCHEDULERS = ("unipc", "euler")
 
@@ -46,9 +46,7 @@ def latent_shape(vae, channels: int, frames: int, height: int, width: int, patch
 
 
 @torch.no_grad()
-def sample_latents(
-    model: WanDiT, cond: torch.Tensor, uncond: torch.Tensor, shape, steps: int, guidance: float, scheduler, generator, device
-):
+def sample_latents(model, cond: torch.Tensor, uncond: torch.Tensor, shape, steps: int, guidance: float, scheduler, generator, device):
     """Denoise Gaussian latents of `shape` in `steps` scheduler steps; cond / uncond: [1, L, D]."""
     latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)[None]
     scheduler.set_timesteps(steps, device=device)
@@ -116,7 +114,7 @@ def generate(
     if not (run_dir / FROZEN).is_file():
         raise UserError(f"{run_dir}: no {FROZEN} (the run was not started by `loongforge-diffusion train`)")
     frozen = json.loads((run_dir / FROZEN).read_text())
-    model = WanDiT(cfg.model)
+    model = build_transformer(cfg)  # two-expert runs pick the expert by each step's time
     model.load_state_dict(state, strict=True)
     model = model.float().to(device).eval()
     vae = load_vae(frozen["vae"]).to(device)

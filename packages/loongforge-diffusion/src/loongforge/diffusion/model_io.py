@@ -61,6 +61,32 @@ def write_diffusers(cfg: WanConfig, state: dict[str, torch.Tensor], out: Path) -
     (Path(out) / "config.json").write_text(json.dumps(cfg.diffusers_config(), indent=2) + "\n")
 
 
+EXPERT_DIRS = (("high", "transformer"), ("low", "transformer_2"))  # WanPipeline's names of Wan2.2 A14B's experts
+
+
+def read_transformers(path: Path, run) -> dict[str, torch.Tensor]:
+    """The starting state of a run's transformer(s) from `path`, whose config must be the run's
+    model: one transformer directory, or for a two-expert run a pipeline directory holding
+    transformer/ (high noise) and transformer_2/ (low noise)."""
+    path = Path(path)
+    if run.boundary_ratio is None:
+        parts = [("", path)]
+    else:
+        parts = [(f"{ours}.", path / theirs) for ours, theirs in EXPERT_DIRS]
+        missing = [str(d) for _, d in parts if not (d / "config.json").is_file()]
+        if missing:
+            raise UserError(
+                f"checkpoint.load={path}: a two-expert run (boundary_ratio) loads a Wan2.2 pipeline directory; {missing[0]} is missing"
+            )
+    state = {}
+    for prefix, d in parts:
+        cfg, part = read_diffusers(d)
+        if cfg != run.model:
+            raise UserError(f"checkpoint.load={d}: its config.json differs from the run's model section; copy its shape into model")
+        state.update({prefix + k: v for k, v in part.items()})
+    return state
+
+
 class DiffusersCall(nn.Module):
     """A Wan transformer called with diffusers' forward arguments; returns the prediction tensor."""
 
@@ -79,24 +105,27 @@ class DiffusersCall(nn.Module):
 def load_model(path, ema: bool | None = None) -> DiffusersCall:
     """A diffusers WanTransformer3DModel directory (or a pipeline directory holding one), or a
     run directory of `loongforge-diffusion train` (its newest checkpoint; `ema` as `generate`
-    takes it) -> a module called as diffusers' model is (CPU, the weights' dtype)."""
+    takes it; a two-expert run routes each call by its time) -> a module called as diffusers'
+    model is (CPU, the weights' dtype)."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
         from loongforge.core.checkpoint.dcp_io import read_run
         from loongforge.diffusion.config import WanRunConfig
+        from loongforge.diffusion.task import build_transformer
 
         run, state = read_run(path, WanRunConfig, "diffusion.wan", ema, what="load")
-        cfg = run.model
+        model = build_transformer(run)
     else:
         cfg, state = read_diffusers(path)
-    model = WanDiT(cfg)
+        model = WanDiT(cfg)
     model.load_state_dict(state, strict=True)
     return DiffusersCall(model.to(next(iter(state.values())).dtype)).eval()
 
 
 def export_run(run_dir, out, ema: bool | None = None) -> Path:
     """A run's newest checkpoint (its EMA where it kept one, unless `ema` says) as a diffusers
-    WanTransformer3DModel directory at `out` (new or empty; written whole, then renamed)."""
+    WanTransformer3DModel directory at `out` (new or empty; written whole, then renamed); a
+    two-expert run as `out/transformer` and `out/transformer_2`, as a Wan2.2 pipeline holds them."""
     from loongforge.core.checkpoint.dcp_io import read_run
     from loongforge.core.outputs import replaced_dir, require_new_dir
     from loongforge.diffusion.config import WanRunConfig
@@ -104,5 +133,9 @@ def export_run(run_dir, out, ema: bool | None = None) -> Path:
     out = require_new_dir(Path(out))
     run, state = read_run(Path(run_dir), WanRunConfig, "diffusion.wan", ema, what="export")
     with replaced_dir(out) as tmp:
-        write_diffusers(run.model, state, tmp)
+        if run.boundary_ratio is None:
+            write_diffusers(run.model, state, tmp)
+        for ours, theirs in EXPERT_DIRS if run.boundary_ratio is not None else ():
+            (tmp / theirs).mkdir()
+            write_diffusers(run.model, {k.removeprefix(f"{ours}."): v for k, v in state.items() if k.startswith(f"{ours}.")}, tmp / theirs)
     return out

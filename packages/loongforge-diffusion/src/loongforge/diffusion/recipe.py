@@ -30,6 +30,13 @@ def validate(cfg) -> None:
         raise UserError(f"parallel.stack={cfg.parallel.stack}: Wan trains on the torch stack; set parallel.stack=torch")
     cfg.model.check()
     cp = cfg.parallel.context_parallel_size
+    if cfg.boundary_ratio is not None:
+        if not 0 < cfg.boundary_ratio < 1:
+            raise UserError(
+                f"boundary_ratio={cfg.boundary_ratio} must be in (0, 1) (Wan2.2 A14B text-to-video: 0.875), or null for one transformer"
+            )
+        if cp > 1:
+            raise UserError("boundary_ratio (two experts) with parallel.context_parallel_size > 1 is not supported; set one of them back")
     if cp > 1 and cfg.model.num_attention_heads % cp:
         raise UserError(f"parallel.context_parallel_size={cp} must divide model.num_attention_heads={cfg.model.num_attention_heads}")
     cfg.flow.validate()
@@ -85,7 +92,15 @@ def run(cfg) -> dict:
     stack, _ = build_stack(cfg.parallel, cfg.train, acc, params_dtype, context_parallel=True)
     ops = OpTable.build(cfg.ops, registry(), acc.device_type)
     run_dir = Path(cfg.checkpoint.run_dir)
-    identity = run_identity(cfg.train, model=cfg.model, flow=cfg.flow, data=cfg.data, frozen=cfg.frozen, load=cfg.checkpoint.load)
+    identity = run_identity(
+        cfg.train,
+        model=cfg.model,
+        boundary_ratio=cfg.boundary_ratio,
+        flow=cfg.flow,
+        data=cfg.data,
+        frozen=cfg.frozen,
+        load=cfg.checkpoint.load,
+    )
     start = prepare_run_dir(cfg.checkpoint, identity)
     start_run_dir(cfg.checkpoint, start, identity, lambda d: prepare_data(cfg, d))
     dataset = LatentDataset(latent_root(cfg, run_dir))

@@ -22,13 +22,20 @@ from loongforge.core.errors import UserError
 from loongforge.core.parallel.ulysses import local_range
 from loongforge.core.train.task import TrainingTask
 from loongforge.diffusion.flow_matching import loss_weight, noised, sample_u, shift_sigma
-from loongforge.diffusion.models.wan import WanDiT, patchify
+from loongforge.diffusion.models.wan import WanDiT, WanExperts, patchify
 
 
 def pad_text(states: list[torch.Tensor], length: int) -> torch.Tensor:
     """Text states [L_i, D] each -> [n, length, D], zero-padded (cut past `length`), as Wan's
     pipeline pads its umT5 states."""
     return torch.stack([F.pad(s[:length], (0, 0, 0, length - min(len(s), length))) for s in states])
+
+
+def build_transformer(cfg, ops=None) -> torch.nn.Module:
+    """The run's transformer: one Wan transformer, or Wan2.2 A14B's two (`boundary_ratio`)."""
+    if cfg.boundary_ratio is None:
+        return WanDiT(cfg.model, ops)
+    return WanExperts(cfg.model, cfg.boundary_ratio * cfg.flow.num_train_timesteps, ops)
 
 
 class WanTask(TrainingTask):
@@ -52,7 +59,7 @@ class WanTask(TrainingTask):
             )
 
     def build_model(self) -> torch.nn.Module:
-        return WanDiT(self.cfg.model, self.ops).to(self.device)
+        return build_transformer(self.cfg, self.ops).to(self.device)
 
     def micro_batch(self, positions: list[int]) -> dict:
         items = [self.dataset.get(self.order.index(p)[1]) for p in positions]
@@ -96,13 +103,11 @@ class WanTask(TrainingTask):
         return weighted.sum(), torch.tensor(float(n if first else 0), device=self.device), {}
 
     def initial_weights(self, model, optimizer, stack) -> int:
-        """A diffusers WanTransformer3DModel directory as the starting weights."""
+        """A diffusers WanTransformer3DModel directory (two-expert runs: a Wan2.2 pipeline
+        directory with transformer/ and transformer_2/) as the starting weights."""
         if self.load is None:
             return 0
-        from loongforge.diffusion.model_io import read_diffusers
+        from loongforge.diffusion.model_io import read_transformers
 
-        cfg, state = read_diffusers(self.load)
-        if cfg != self.cfg.model:
-            raise UserError(f"checkpoint.load={self.load}: its config.json differs from the run's model section; copy its shape into model")
-        stack.load_full_state_dict(model, state)
+        stack.load_full_state_dict(model, read_transformers(self.load, self.cfg))
         return 0

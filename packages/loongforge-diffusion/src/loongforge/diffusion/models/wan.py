@@ -373,6 +373,50 @@ class WanDiT(nn.Module):
         return self.proj_out(x[: max(0, min(pack.end, total) - pack.start)])
 
 
+class WanExperts(nn.Module):
+    """Wan2.2 A14B's two transformers of one shape: `high` denoises times t >= boundary (the
+    high-noise stages), `low` the rest, as WanPipeline's `transformer` / `transformer_2` with
+    `boundary_ratio`. Called like `WanDiT`: each sample of the pack goes to its expert by its time,
+    and both experts run in every call (an expert without samples runs on one all-zero token
+    whose output is multiplied by 0), so every data-parallel rank runs the same collectives
+    whatever its samples' times."""
+
+    def __init__(self, cfg: WanConfig, boundary: float, ops: OpTable | None = None):
+        super().__init__()
+        self.cfg, self.boundary = cfg, boundary
+        self.high, self.low = WanDiT(cfg, ops), WanDiT(cfg, ops)
+
+    def blocks(self) -> list[nn.Module]:
+        return self.high.blocks() + self.low.blocks()
+
+    def expert_for(self, t: torch.Tensor) -> torch.Tensor:
+        """True where time t goes to the high-noise expert."""
+        return t >= self.boundary
+
+    def forward(self, patches, pack: Pack, timestep, context, cp_group=None):
+        if cp_group is not None:
+            raise ValueError("two-expert Wan does not run under context parallelism")
+        n = len(pack.grids)
+        if timestep.shape[0] != n:
+            raise ValueError("two-expert Wan routes by each sample's time; per-token times are not supported")
+        high = self.expert_for(timestep).tolist()
+        offsets = [0]
+        for f, h, w in pack.grids:
+            offsets.append(offsets[-1] + f * h * w)
+        out, unused = None, []
+        for expert, picks in ((self.high, [i for i in range(n) if high[i]]), (self.low, [i for i in range(n) if not high[i]])):
+            if not picks:  # one zero token through the expert, times 0: the same collectives on every rank
+                zero = expert(
+                    patches.new_zeros(1, patches.shape[1]), Pack.of([(1, 1, 1)], patches.device), timestep[:1] * 0, context[:1] * 0
+                )
+                unused.append(zero.sum() * 0)
+                continue
+            rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in picks]).to(patches.device)
+            pred = expert(patches[rows], Pack.of([pack.grids[i] for i in picks], patches.device), timestep[picks], context[picks])
+            out = (pred.new_zeros(patches.shape[0], pred.shape[1]) if out is None else out).index_copy(0, rows, pred)
+        return out + unused[0] if unused else out
+
+
 def _pad_for(group, patches, pack: Pack, timestep, context):
     """The row padded to a multiple of the group's size with one dummy sample (its own attention,
     time 0, an all-zero context; its rows are dropped from the output), and this rank's slice."""
