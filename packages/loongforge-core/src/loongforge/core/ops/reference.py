@@ -318,10 +318,12 @@ def packed_attention(
     q: [total_q, heads, head_dim], k/v: [total_k, kv_heads, head_dim]; returns [total_q, heads,
     head_dim]. `max_seqlen_*` are hints for kernels. The reference runs SDPA per sample.
     """
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(f"packed_attention: {cu_seqlens_q.shape[0] - 1} query samples but {cu_seqlens_k.shape[0] - 1} key samples")
+    if cu_seqlens_q.shape[0] == 2:  # one sample: the whole rows (read without a device sync)
+        return attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], False, scale)[0].transpose(0, 1)
     out = q.new_empty(*q.shape[:2], v.shape[-1])
     bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    if len(bq) != len(bk):
-        raise ValueError(f"packed_attention: {len(bq) - 1} query samples but {len(bk) - 1} key samples")
     for (qs, qe), (ks, ke) in zip(zip(bq[:-1], bq[1:]), zip(bk[:-1], bk[1:])):
         if qe > qs:
             seg = attention(q[qs:qe].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None], v[ks:ke].transpose(0, 1)[None], False, scale)

@@ -171,16 +171,20 @@ class Pack:
 
     @classmethod
     def of(cls, grids: list[tuple[int, int, int]], device, start: int = 0, end: int | None = None, cp_group=None) -> "Pack":
-        lens = torch.tensor([f * h * w for f, h, w in grids], device=device)
+        sizes = [f * h * w for f, h, w in grids]
+        lens = torch.tensor(sizes, device=device)
         cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
-        total = int(cu[-1])
-        end = total if end is None else end
+        end = sum(sizes) if end is None else end
         owner = torch.repeat_interleave(torch.arange(len(grids), device=device), lens)
         return cls(list(grids), cu, owner[start:end], (cu - start).clamp(0, end - start), start, end, cp_group)
 
     @property
     def max_len(self) -> int:
         return max(f * h * w for f, h, w in self.grids)
+
+    @property
+    def total(self) -> int:
+        return sum(f * h * w for f, h, w in self.grids)
 
 
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -360,7 +364,7 @@ class WanDiT(nn.Module):
         w = self.patch_embedding.weight
         x = F.linear(patches[pack.start : pack.end].to(w.dtype), w.flatten(1), self.patch_embedding.bias)
         temb = self.time_in(timestep_features(timestep, self.cfg.freq_dim).to(self.time_in.fc1.weight.dtype))
-        if timestep.shape[0] == int(pack.cu_seqlens[-1]) and len(pack.grids) != timestep.shape[0]:
+        if timestep.shape[0] == pack.total and len(pack.grids) != timestep.shape[0]:
             temb = temb[pack.start : pack.end]  # one time per token: this rank's tokens'
         time_mod = self.time_proj(F.silu(temb)).float().unflatten(1, (6, -1))
         context = self.text_in(context.to(self.text_in.fc1.weight.dtype))
