@@ -135,7 +135,7 @@ def test_load_model_takes_diffusers_arguments(pair, tmp_path):
         ({"added_kv_proj_dim": 64}, "added_kv_proj_dim=64"),
         ({"window_size": [-1, -1]}, "field 'window_size' of WanTransformer3DModel is not implemented"),
         ({"qk_norm": "rms_norm"}, "only 'rms_norm_across_heads'"),
-        ({"_class_name": "QwenImageTransformer2DModel"}, "not a WanTransformer3DModel"),
+        ({"_class_name": "FluxTransformer2DModel"}, "a FluxTransformer2DModel; supported diffusers transformers: WanTransformer3DModel"),
     ],
 )
 def test_unimplemented_config_fields_are_named(tmp_path, change, message):

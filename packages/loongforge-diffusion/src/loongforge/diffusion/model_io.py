@@ -1,11 +1,12 @@
-"""Wan transformers in and out of diffusers' format, and the Python API.
+"""Diffusion transformers in and out of diffusers' format, and the Python API.
 
     from loongforge.diffusion import load_model
     model = load_model("Wan2.1-T2V-1.3B-Diffusers/transformer")   # or a run directory of ours
     noise_pred = model(hidden_states=latents, timestep=t, encoder_hidden_states=text_states)
 
 A diffusers transformer directory is `config.json` plus `diffusion_pytorch_model.safetensors`
-(or its sharded index), as `WanTransformer3DModel.save_pretrained` writes it.
+(or its sharded index), as `save_pretrained` writes it; its `_class_name` names the family
+(`WanTransformer3DModel`, `QwenImageTransformer2DModel`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,51 @@ from pathlib import Path
 import torch
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf
+from loongforge.diffusion.models import qwen_image
 from loongforge.diffusion.models.wan import WAN_TABLE, WanConfig, WanDiT, predict
 from torch import nn
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+class DiffusersCall(nn.Module):
+    """A Wan transformer called with diffusers' forward arguments; returns the prediction tensor."""
+
+    def __init__(self, model: WanDiT):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None, return_dict=None, attention_kwargs=None
+    ):
+        if encoder_hidden_states_image is not None:
+            raise ValueError("encoder_hidden_states_image: image-to-video conditioning is not implemented (text-to-video only)")
+        return predict(self.model, hidden_states, timestep, encoder_hidden_states)
+
+
+class QwenImageCall(nn.Module):
+    """A Qwen-Image transformer called with diffusers' forward arguments; returns the prediction."""
+
+    def __init__(self, model: qwen_image.QwenImageDiT):
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask=None, timestep=None, img_shapes=None, **unused):
+        extra = sorted(k for k, v in unused.items() if v is not None and k not in ("return_dict", "attention_kwargs"))
+        if extra:
+            raise ValueError(f"Qwen-Image here does not take {extra[0]!r}")
+        return qwen_image.predict(self.model, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)
+
+
+# diffusers class name -> (config class, mapping table, model class, diffusers-argument wrapper)
+FAMILIES = {
+    "WanTransformer3DModel": (WanConfig, WAN_TABLE, WanDiT, DiffusersCall),
+    "QwenImageTransformer2DModel": (qwen_image.QwenImageConfig, qwen_image.QWEN_IMAGE_TABLE, qwen_image.QwenImageDiT, QwenImageCall),
+}
+
+
+def family_of(cfg) -> tuple:
+    return next(f for f in FAMILIES.values() if isinstance(cfg, f[0]))
 
 
 def transformer_dir(path: Path) -> Path:
@@ -30,14 +72,19 @@ def transformer_dir(path: Path) -> Path:
     return path
 
 
-def read_diffusers(path: Path) -> tuple[WanConfig, dict[str, torch.Tensor]]:
-    """(config, our state dict) of a diffusers WanTransformer3DModel directory."""
+def read_diffusers(path: Path) -> tuple:
+    """(config, our state dict) of a diffusers transformer directory of a supported family."""
     from safetensors.torch import load_file
 
     d = transformer_dir(path)
     if not (d / "config.json").is_file():
         raise UserError(f"{path}: not a diffusers transformer directory (no config.json)")
-    cfg = WanConfig.from_diffusers(json.loads((d / "config.json").read_text()))
+    meta = json.loads((d / "config.json").read_text())
+    name = meta.get("_class_name", "WanTransformer3DModel")
+    if name not in FAMILIES:
+        raise UserError(f"{d}: a {name}; supported diffusers transformers: {', '.join(FAMILIES)}")
+    config_cls, table, _, _ = FAMILIES[name]
+    cfg = config_cls.from_diffusers(meta)
     index = d / f"{WEIGHTS}.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -48,15 +95,15 @@ def read_diffusers(path: Path) -> tuple[WanConfig, dict[str, torch.Tensor]]:
     state = {}
     for f in files:
         state.update(load_file(str(d / f)))
-    return cfg, hf_to_lf(WAN_TABLE, state, cfg)
+    return cfg, hf_to_lf(table, state, cfg)
 
 
-def write_diffusers(cfg: WanConfig, state: dict[str, torch.Tensor], out: Path) -> None:
+def write_diffusers(cfg, state: dict[str, torch.Tensor], out: Path) -> None:
     """Our state dict -> `out/config.json` + `out/diffusion_pytorch_model.safetensors` (out: an
     existing empty directory; callers write into a temporary one and rename it)."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.contiguous() for k, v in lf_to_hf(WAN_TABLE, state, cfg).items()}
+    tensors = {k: v.contiguous() for k, v in lf_to_hf(family_of(cfg)[1], state, cfg).items()}
     save_file(tensors, str(Path(out) / WEIGHTS), metadata={"format": "pt"})
     (Path(out) / "config.json").write_text(json.dumps(cfg.diffusers_config(), indent=2) + "\n")
 
@@ -87,26 +134,12 @@ def read_transformers(path: Path, run) -> dict[str, torch.Tensor]:
     return state
 
 
-class DiffusersCall(nn.Module):
-    """A Wan transformer called with diffusers' forward arguments; returns the prediction tensor."""
-
-    def __init__(self, model: WanDiT):
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None, return_dict=None, attention_kwargs=None
-    ):
-        if encoder_hidden_states_image is not None:
-            raise ValueError("encoder_hidden_states_image: image-to-video conditioning is not implemented (text-to-video only)")
-        return predict(self.model, hidden_states, timestep, encoder_hidden_states)
-
-
-def load_model(path, ema: bool | None = None) -> DiffusersCall:
-    """A diffusers WanTransformer3DModel directory (or a pipeline directory holding one), or a
-    run directory of `loongforge-diffusion train` (its newest checkpoint; `ema` as `generate`
-    takes it; a two-expert run routes each call by its time) -> a module called as diffusers'
-    model is (CPU, the weights' dtype)."""
+def load_model(path, ema: bool | None = None) -> nn.Module:
+    """A diffusers transformer directory of a supported family (WanTransformer3DModel,
+    QwenImageTransformer2DModel; or a pipeline directory holding one), or a run directory of
+    `loongforge-diffusion train` (its newest checkpoint; `ema` as `generate` takes it; a
+    two-expert run routes each call by its time) -> a module called with the diffusers model's
+    own forward arguments, returning the prediction tensor (CPU, the weights' dtype)."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
         from loongforge.core.checkpoint.dcp_io import read_run
@@ -114,12 +147,13 @@ def load_model(path, ema: bool | None = None) -> DiffusersCall:
         from loongforge.diffusion.task import build_transformer
 
         run, state = read_run(path, WanRunConfig, "diffusion.wan", ema, what="load")
-        model = build_transformer(run)
+        model, call = build_transformer(run), DiffusersCall
     else:
         cfg, state = read_diffusers(path)
-        model = WanDiT(cfg)
+        _, _, model_cls, call = family_of(cfg)
+        model = model_cls(cfg)
     model.load_state_dict(state, strict=True)
-    return DiffusersCall(model.to(next(iter(state.values())).dtype)).eval()
+    return call(model.to(next(iter(state.values())).dtype)).eval()
 
 
 def export_run(run_dir, out, ema: bool | None = None) -> Path:
