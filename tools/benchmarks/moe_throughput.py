@@ -152,7 +152,7 @@ def megatron_moe_step(mcfg, tokens):
 
 
 CATEGORIES = (
-    ("expert GEMM", ("grouped", "Grouped")),
+    ("expert GEMM", ("grouped", "Grouped", "GroupProblemShape")),  # torch grouped_mm: CUTLASS grouped kernels
     ("dispatch (top-k, sort, permute)", ("_scatter", "_combine", "_scatter_dot", "adixSort", "topk", "TopK", "sbtopk", "searchsorted")),
     ("attention", ("flash", "fmha", "attention", "Attention")),
 )
