@@ -20,6 +20,11 @@ Setups:
   compiled).
 - `diffusers eager` / `diffusers compile`: WanTransformer3DModel `.to(bfloat16)`, fused AdamW;
   compile: `torch.compile` of the model. Recompute: `enable_gradient_checkpointing()`.
+- `loongforge mix packed` / `loongforge mix padded`: the same step on a mixed batch (`MIX`: an
+  81-frame, a 33-frame and a 17-frame clip and an image, 51,960 patch tokens) packed as the
+  trainer packs it, against the same four samples zero-padded to the largest (131,040 tokens),
+  the cost a trainer that pads would pay. tokens/s and MFU of both rows count the real tokens
+  (useful work).
 Then a profile of our step gives the attention share of the GPU time.
 """
 
@@ -73,18 +78,24 @@ def wan_config(a):
     )
 
 
-class OneSample(list):
-    """A one-sample latent dataset (the task reads `meta` and `get`)."""
+class Samples(list):
+    """An in-memory latent dataset (the task reads `meta` and `get`)."""
 
-    def __init__(self, latents, text):
-        super().__init__([{"latents": latents, "text": text, "caption": ""}])
-        self.meta = {"latent_channels": latents.shape[0], "text_dim": text.shape[1]}
+    def __init__(self, latents: list, text):
+        super().__init__([{"latents": x, "text": text, "caption": ""} for x in latents])
+        self.meta = {"latent_channels": latents[0].shape[0], "text_dim": text.shape[1]}
 
     def get(self, i):
         return self[i]
 
 
-def loongforge_step(cfg, latents, text, recompute: bool, compile_: bool):
+# The mixed batch of the packing rows: latent grids (frames, height, width) of an 81x480x832 clip,
+# a 33x480x832 clip, a 17x320x576 clip and a 480x832 image (51,960 patch tokens packed; padded to
+# the largest, 4 x 32,760 = 131,040)
+MIX = [(21, 60, 104), (9, 60, 104), (5, 40, 72), (1, 60, 104)]
+
+
+def loongforge_step(cfg, latents, text, recompute: bool, compile_: bool, samples: list | None = None):
     from loongforge.core.accelerator import get_accelerator
     from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
     from loongforge.core.ops import OpTable
@@ -95,8 +106,9 @@ def loongforge_step(cfg, latents, text, recompute: bool, compile_: bool):
     from loongforge.diffusion.task import WanTask
 
     acc = get_accelerator("cuda")
+    samples = samples or [latents]
     train = TrainConfig(
-        micro_batch_size=1, global_batch_size=1, train_iters=1 << 30, lr=1e-5, lr_warmup_iters=0, weight_decay=0.0,
+        micro_batch_size=len(samples), global_batch_size=len(samples), train_iters=1 << 30, lr=1e-5, lr_warmup_iters=0, weight_decay=0.0,
         params_dtype="bfloat16", master_weights=False, recompute=recompute,
     )  # fmt: skip
     par = ParallelConfig(stack="torch", data_parallel_mode="fsdp", compile=compile_)
@@ -105,10 +117,10 @@ def loongforge_step(cfg, latents, text, recompute: bool, compile_: bool):
     run.flow.caption_dropout = 0.0
     stack, _ = build_stack(par, train, acc, torch.bfloat16)
     ops = OpTable.build(None, registry(), "cuda")
-    task = WanTask(run, OneSample(latents, text), text[:1], 0, 1, acc.device(), ops)
+    task = WanTask(run, Samples(samples, text), text[:1], 0, 1, acc.device(), ops)
     trainer = Trainer(train, run.checkpoint, stack, acc, task, {}, "benchmark", ops)
     trainer.setup()
-    mb = task.micro_batch([0])
+    mb = task.micro_batch(list(range(len(samples))))
 
     def step():
         trainer.train_step([mb])
@@ -177,12 +189,19 @@ def main():
     text = torch.randn(a.text_len, 4096, device="cuda")
     tokens = a.frames * (a.height // 2) * (a.width // 2)
     flops = cfg.train_flops(tokens, a.text_len)
+    mix_sizes = [f * (h // 2) * (w // 2) for f, h, w in MIX]
+    mix_tokens, mix_flops = sum(mix_sizes), sum(cfg.train_flops(n, a.text_len) for n in mix_sizes)
     builders = {
         "loongforge trainer": lambda: loongforge_step(cfg, latents, text, a.recompute, False),
         "loongforge trainer + compile": lambda: loongforge_step(cfg, latents, text, a.recompute, True),
         "diffusers eager": lambda: diffusers_step(cfg, latents, text, a.recompute, False),
         "diffusers compile": lambda: diffusers_step(cfg, latents, text, a.recompute, True),
+        "loongforge mix packed": lambda: loongforge_step(cfg, latents, text, a.recompute, False, mix),
+        "loongforge mix padded": lambda: loongforge_step(cfg, latents, text, a.recompute, False, padded),
     }
+    mix = [torch.randn(16, *g, device="cuda") for g in MIX]
+    big = tuple(max(g[i] for g in MIX) for i in range(3))
+    padded = [torch.nn.functional.pad(x, (0, big[2] - x.shape[3], 0, big[1] - x.shape[2], 0, big[0] - x.shape[1])) for x in mix]
     names = [s.strip() for s in a.setups.split(",")]
     unknown = [n for n in names if n not in builders]
     if unknown:
@@ -207,7 +226,8 @@ def main():
             gc.collect()
             torch.cuda.empty_cache()
             continue
-        results[name] = {"ms_per_step": ms, "tokens_per_s": tokens / (ms / 1e3), "mfu": flops / (ms / 1e3) / PEAK, "peak_gib": mem}
+        n_tok, n_flops = (mix_tokens, mix_flops) if name.startswith("loongforge mix") else (tokens, flops)
+        results[name] = {"ms_per_step": ms, "tokens_per_s": n_tok / (ms / 1e3), "mfu": n_flops / (ms / 1e3) / PEAK, "peak_gib": mem}
         print(f"{name}: {ms:.1f} ms/step, {100 * results[name]['mfu']:.1f}% MFU, peak {mem:.1f} GiB ({time.time() - t0:.0f}s)", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
@@ -218,6 +238,9 @@ def main():
             print(f"| {n} | failed (see above) | | | |")
         else:
             print(f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |")
+    if results.get("loongforge mix packed") and results.get("loongforge mix padded"):
+        r = results["loongforge mix padded"]["ms_per_step"] / results["loongforge mix packed"]["ms_per_step"]
+        print(f"mixed batch ({len(MIX)} samples, {mix_tokens:,} patch tokens): packed {r:.2f}x faster than padded to the largest")
     for ours in ("loongforge trainer", "loongforge trainer + compile"):
         for base in ("diffusers eager", "diffusers compile"):
             if results.get(ours) and results.get(base):
