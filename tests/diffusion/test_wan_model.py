@@ -131,8 +131,8 @@ def test_load_model_takes_diffusers_arguments(pair, tmp_path):
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"image_dim": 1280}, "image_dim=1280 (Wan image-to-video conditioning) is not implemented"),
-        ({"added_kv_proj_dim": 64}, "added_kv_proj_dim=64"),
+        ({"pos_embed_seq_len": 514}, "pos_embed_seq_len=514 (Wan first-last-frame-to-video) is not implemented"),
+        ({"added_kv_proj_dim": 24}, "model.image_dim and model.added_kv_proj_dim come together"),
         ({"window_size": [-1, -1]}, "field 'window_size' of WanTransformer3DModel is not implemented"),
         ({"qk_norm": "rms_norm"}, "only 'rms_norm_across_heads'"),
         ({"_class_name": "FluxTransformer2DModel"}, "a FluxTransformer2DModel; supported diffusers transformers: WanTransformer3DModel"),
@@ -175,3 +175,28 @@ def test_two_experts_route_each_sample_by_its_time(pair):
     assert all(p.grad is not None for p in model.low.parameters())
     assert all(p.grad.abs().max() == 0 for p in model.low.parameters())
     assert any(p.grad.abs().max() > 0 for p in model.high.parameters())
+
+
+def test_image_to_video_matches_diffusers():
+    """Wan2.1 I2V: CLIP image features through their own projection and k / v in every
+    cross-attention, added to the text attention (diffusers splits them off a 512-token text)."""
+    from diffusers import WanTransformer3DModel
+    from loongforge.diffusion.model_io import DiffusersCall
+
+    cfg = WanConfig(**{**CFG.__dict__, "in_channels": 8, "image_dim": 20, "added_kv_proj_dim": CFG.hidden_size})
+    torch.manual_seed(6)
+    ref = WanTransformer3DModel(**{k: v for k, v in cfg.diffusers_config().items() if not k.startswith("_")}).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    ours = WanDiT(cfg).eval()
+    ours.load_state_dict(hf_to_lf(WAN_TABLE, ref.state_dict(), cfg), strict=True)
+    assert set(lf_to_hf(WAN_TABLE, ours.state_dict(), cfg)) == set(ref.state_dict())
+    x, t = torch.randn(2, 8, 3, 4, 6), torch.tensor([100.0, 700.0])
+    text, image = torch.randn(2, 512, CFG.text_dim), torch.randn(2, 9, 20)
+    with torch.no_grad():
+        want = ref(x, t, text, encoder_hidden_states_image=image, return_dict=False)[0]
+        got = DiffusersCall(ours)(x, t, text, encoder_hidden_states_image=image)
+    assert rel(got, want) < 1e-5
+    with pytest.raises(ValueError, match="image_context is required"):
+        predict(ours, x, t, text)

@@ -171,6 +171,7 @@ def test_flow_matching_schedule():
         ("model.in_channels=8", "but model.in_channels=8"),
         ("checkpoint.load=/nonexistent/wan", "expected a diffusers WanTransformer3DModel directory"),
         ("parallel.context_parallel_size=3", "must divide model.num_attention_heads=4"),
+        ("model.image_dim=32", "image-to-video training is not built yet"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, override, message):

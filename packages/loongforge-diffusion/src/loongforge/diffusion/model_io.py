@@ -34,9 +34,7 @@ class DiffusersCall(nn.Module):
     def forward(
         self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None, return_dict=None, attention_kwargs=None
     ):
-        if encoder_hidden_states_image is not None:
-            raise ValueError("encoder_hidden_states_image: image-to-video conditioning is not implemented (text-to-video only)")
-        return predict(self.model, hidden_states, timestep, encoder_hidden_states)
+        return predict(self.model, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
 
 
 class QwenImageCall(nn.Module):

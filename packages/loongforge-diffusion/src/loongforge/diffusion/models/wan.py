@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,10 @@ class WanConfig:
     qk_norm: str = "rms_norm_across_heads"
     eps: float = 1e-6
     rope_max_seq_len: int = 1024
+    # image-to-video (Wan2.1 I2V): the width of the CLIP image features each cross-attention also
+    # attends to, through its own k / v projections (added_kv_proj_dim: the hidden size); None: T2V
+    image_dim: Optional[int] = None
+    added_kv_proj_dim: Optional[int] = None
 
     @property
     def hidden_size(self) -> int:
@@ -82,28 +86,29 @@ class WanConfig:
             raise UserError(f"model.attention_head_dim={self.attention_head_dim}: must split into even time/height/width rotary parts")
         if self.qk_norm != "rms_norm_across_heads":
             raise UserError(f"model.qk_norm={self.qk_norm!r}: only 'rms_norm_across_heads' (Wan's) is implemented")
+        if (self.image_dim is None) != (self.added_kv_proj_dim is None):
+            raise UserError("model.image_dim and model.added_kv_proj_dim come together (image-to-video) or not at all")
+        if self.added_kv_proj_dim not in (None, self.hidden_size):
+            raise UserError(f"model.added_kv_proj_dim={self.added_kv_proj_dim} must equal the hidden size {self.hidden_size} (Wan's)")
 
     def diffusers_config(self) -> dict:
         """The `WanTransformer3DModel` config.json fields of this shape."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["patch_size"] = list(self.patch_size)
-        return {"_class_name": "WanTransformer3DModel", **d, "image_dim": None, "added_kv_proj_dim": None, "pos_embed_seq_len": None}
+        return {"_class_name": "WanTransformer3DModel", **d, "pos_embed_seq_len": None}
 
     @classmethod
     def from_diffusers(cls, d: dict) -> "WanConfig":
         """From a diffusers config.json; a field this model does not implement is refused by name."""
         if d.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
             raise UserError(f"config.json is a {d['_class_name']}, not a WanTransformer3DModel")
-        for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
-            if d.get(key) is not None:
-                raise UserError(
-                    f"config.json: {key}={d[key]} (Wan image-to-video conditioning) is not implemented; text-to-video configs only"
-                )
-        known = {f.name for f in dataclasses.fields(cls)} | {"image_dim", "added_kv_proj_dim", "pos_embed_seq_len"}
-        unknown = sorted(k for k in d if not k.startswith("_") and k not in known)
+        if d.get("pos_embed_seq_len") is not None:
+            raise UserError(f"config.json: pos_embed_seq_len={d['pos_embed_seq_len']} (Wan first-last-frame-to-video) is not implemented")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in d if not k.startswith("_") and k not in known and k != "pos_embed_seq_len")
         if unknown:
             raise UserError(f"config.json: field {unknown[0]!r} of WanTransformer3DModel is not implemented here")
-        cfg = cls(**{k: v for k, v in d.items() if k in known and k not in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")})
+        cfg = cls(**{k: v for k, v in d.items() if k in known})
         cfg.patch_size = list(cfg.patch_size)
         cfg.out_channels = cfg.out_channels or cfg.in_channels
         cfg.check()
@@ -141,12 +146,23 @@ WAN_TABLE = (
     Row(L + "cross_attn.kv.bias", tuple(B + f"attn2.to_{p}.bias" for p in "kv"), "concat"),
     Row(L + "cross_attn.norm_q.weight", (B + "attn2.norm_q.weight",)),
     Row(L + "cross_attn.norm_k.weight", (B + "attn2.norm_k.weight",)),
+    Row(L + "cross_attn.image_kv.weight", (B + "attn2.add_k_proj.weight", B + "attn2.add_v_proj.weight"), "concat", optional=True),
+    Row(L + "cross_attn.image_kv.bias", (B + "attn2.add_k_proj.bias", B + "attn2.add_v_proj.bias"), "concat", optional=True),
+    Row(L + "cross_attn.norm_image_k.weight", (B + "attn2.norm_added_k.weight",), optional=True),
     Row(L + "cross_attn.out.weight", (B + "attn2.to_out.0.weight",)),
     Row(L + "cross_attn.out.bias", (B + "attn2.to_out.0.bias",)),
     Row(L + "fc1.weight", (B + "ffn.net.0.proj.weight",)),
     Row(L + "fc1.bias", (B + "ffn.net.0.proj.bias",)),
     Row(L + "fc2.weight", (B + "ffn.net.2.weight",)),
     Row(L + "fc2.bias", (B + "ffn.net.2.bias",)),
+    Row("image_in.norm1.weight", ("condition_embedder.image_embedder.norm1.weight",), optional=True),
+    Row("image_in.norm1.bias", ("condition_embedder.image_embedder.norm1.bias",), optional=True),
+    Row("image_in.fc1.weight", ("condition_embedder.image_embedder.ff.net.0.proj.weight",), optional=True),
+    Row("image_in.fc1.bias", ("condition_embedder.image_embedder.ff.net.0.proj.bias",), optional=True),
+    Row("image_in.fc2.weight", ("condition_embedder.image_embedder.ff.net.2.weight",), optional=True),
+    Row("image_in.fc2.bias", ("condition_embedder.image_embedder.ff.net.2.bias",), optional=True),
+    Row("image_in.norm2.weight", ("condition_embedder.image_embedder.norm2.weight",), optional=True),
+    Row("image_in.norm2.bias", ("condition_embedder.image_embedder.norm2.bias",), optional=True),
     Row("proj_out.weight", ("proj_out.weight",)),
     Row("proj_out.bias", ("proj_out.bias",)),
     Row("out_modulation", ("scale_shift_table",)),
@@ -252,19 +268,47 @@ class CrossAttention(nn.Module):
         self.heads, self.eps, self.ops = cfg.num_attention_heads, cfg.eps, ops
         self.q, self.kv = nn.Linear(d, d), nn.Linear(d, 2 * d)
         self.norm_q, self.norm_k = RMSWeight(d), RMSWeight(d)
+        if cfg.image_dim is not None:  # image-to-video: the image features' own k / v
+            self.image_kv, self.norm_image_k = nn.Linear(d, 2 * d), RMSWeight(d)
         self.out = nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, pack: Pack) -> torch.Tensor:
+    def _attend(self, q, kv: nn.Linear, norm_k: RMSWeight, context, pack: Pack):
+        """q's attention to each sample's whole context [samples, context_len, hidden]."""
+        n, c, d = context.shape
+        k, v = kv(context.reshape(n * c, d)).chunk(2, dim=-1)
+        k = self.ops.rms_norm(k, norm_k.weight, self.eps).view(n * c, self.heads, -1)
+        cu_k = torch.arange(0, (n + 1) * c, c, device=q.device, dtype=torch.int32)
+        return self.ops.packed_attention(q, k, v.reshape(n * c, self.heads, -1), pack.local_cu, cu_k, None, pack.max_len, c)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, pack: Pack, image_context: torch.Tensor | None = None) -> torch.Tensor:
         """x: [tokens, hidden]; context: [samples, context_len, hidden], every sample's whole
-        context attended (Wan pads the text states to a fixed length and attends to all of it)."""
+        context attended (Wan pads the text states to a fixed length and attends to all of it);
+        image_context (image-to-video): the projected image features, attended apart and added."""
         t, d = x.shape
-        n, c, _ = context.shape
         q = self.ops.rms_norm(self.q(x), self.norm_q.weight, self.eps).view(t, self.heads, -1)
-        k, v = self.kv(context.reshape(n * c, d)).chunk(2, dim=-1)
-        k = self.ops.rms_norm(k, self.norm_k.weight, self.eps).view(n * c, self.heads, -1)
-        cu_k = torch.arange(0, (n + 1) * c, c, device=x.device, dtype=torch.int32)
-        o = self.ops.packed_attention(q, k, v.reshape(n * c, self.heads, -1), pack.local_cu, cu_k, None, pack.max_len, c)
+        o = self._attend(q, self.kv, self.norm_k, context, pack)
+        if image_context is not None:
+            o = o + self._attend(q, self.image_kv, self.norm_image_k, image_context, pack)
         return self.out(o.reshape(t, d))
+
+
+class ImageEmbedding(nn.Module):
+    """The CLIP image features' projection (diffusers' WanImageEmbedding): fp32 LayerNorm, GELU
+    MLP, fp32 LayerNorm."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d_in), nn.LayerNorm(d_out)
+        self.fc1, self.fc2 = nn.Linear(d_in, d_in), nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        h = _fp32_layer_norm(x, self.norm1)
+        h = self.fc2(F.gelu(self.fc1(h)))
+        return _fp32_layer_norm(h, self.norm2)
+
+
+def _fp32_layer_norm(x, norm: nn.LayerNorm):
+    return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps).to(x.dtype)
 
 
 class RMSWeight(nn.Module):
@@ -286,7 +330,7 @@ class WanBlock(nn.Module):
         self.cross_attn = CrossAttention(cfg, ops)
         self.fc1, self.fc2 = nn.Linear(d, cfg.ffn_dim), nn.Linear(cfg.ffn_dim, d)
 
-    def forward(self, x, context, time_mod, cos, sin, pack: Pack):
+    def forward(self, x, context, time_mod, cos, sin, pack: Pack, image_context=None):
         """time_mod: [samples or tokens, 6, hidden] (fp32), the block's shift/scale/gate inputs."""
         mod = (self.modulation.float() + time_mod).unbind(1)
         shift, scale, gate, c_shift, c_scale, c_gate = mod
@@ -297,7 +341,7 @@ class WanBlock(nn.Module):
             h = F.layer_norm(x.float(), (d,), self.cross_norm.weight.float(), self.cross_norm.bias.float(), self.eps).type_as(x)
         else:
             h = x
-        x = x + self.cross_attn(h, context, pack)
+        x = x + self.cross_attn(h, context, pack, image_context)
         h = modulate(F.layer_norm(x.float(), (d,), eps=self.eps), c_shift, c_scale, pack).type_as(x)
         ff = self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
         return (x.float() + ff.float() * _per_token(c_gate, pack)).type_as(x)
@@ -317,6 +361,8 @@ class WanDiT(nn.Module):
         self.time_in = MLP2(cfg.freq_dim, d, nn.SiLU())
         self.time_proj = nn.Linear(d, 6 * d)
         self.text_in = MLP2(cfg.text_dim, d, nn.GELU(approximate="tanh"))
+        if cfg.image_dim is not None:
+            self.image_in = ImageEmbedding(cfg.image_dim, d)
         self.layers = nn.ModuleList(WanBlock(cfg, ops) for _ in range(cfg.num_layers))
         self.proj_out = nn.Linear(d, cfg.out_channels * cfg.patch_volume)
         self.out_modulation = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
@@ -352,12 +398,18 @@ class WanDiT(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def forward(self, patches: torch.Tensor, pack: Pack, timestep: torch.Tensor, context: torch.Tensor, cp_group=None) -> torch.Tensor:
+    def forward(
+        self, patches: torch.Tensor, pack: Pack, timestep: torch.Tensor, context: torch.Tensor, cp_group=None, image_context=None
+    ) -> torch.Tensor:
         """patches [tokens, channels * patch volume] of `pack`; timestep [samples] (or [tokens]:
         one time per token, Wan2.2 TI2V's per-patch times); context [samples, context_len, text_dim]
         -> predictions [tokens, out_channels * patch volume]. With `cp_group` (Ulysses context
         parallel) every rank of the group gets the whole micro-batch and returns the rows of its
-        `local_range` of the tokens."""
+        `local_range` of the tokens. image_context [samples, image tokens, image_dim]: the CLIP
+        image features of an image-to-video model (its patches then hold the condition channels
+        too, as the I2V pipeline concatenates them)."""
+        if (image_context is None) != (self.cfg.image_dim is None):
+            raise ValueError("image_context is required by an image-to-video model and taken by no other")
         total = patches.shape[0]
         if cp_group is not None:
             patches, pack, timestep, context = _pad_for(cp_group, patches, pack, timestep, context)
@@ -368,10 +420,12 @@ class WanDiT(nn.Module):
             temb = temb[pack.start : pack.end]  # one time per token: this rank's tokens'
         time_mod = self.time_proj(F.silu(temb)).float().unflatten(1, (6, -1))
         context = self.text_in(context.to(self.text_in.fc1.weight.dtype))
+        if image_context is not None:
+            image_context = self.image_in(image_context.to(self.image_in.fc1.weight.dtype))
         cos, sin = self.rope_angles(pack)
         cos, sin = cos[pack.start : pack.end], sin[pack.start : pack.end]
         for block in self.layers:
-            x = block(x, context, time_mod, cos, sin, pack)
+            x = block(x, context, time_mod, cos, sin, pack, image_context)
         shift, scale = (self.out_modulation.float() + temb.float()[:, None]).unbind(1)
         x = modulate(F.layer_norm(x.float(), (x.shape[-1],), eps=self.cfg.eps), shift, scale, pack).type_as(x)
         return self.proj_out(x[: max(0, min(pack.end, total) - pack.start)])
@@ -469,13 +523,21 @@ def unpatchify(out: torch.Tensor, pack: Pack, cfg: WanConfig) -> list[torch.Tens
     return res
 
 
-def predict(model: WanDiT, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+def predict(
+    model: WanDiT,
+    hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_image=None,
+) -> torch.Tensor:
     """diffusers' call: latents [batch, channels, frames, height, width], timestep [batch] (or
-    [batch, tokens]: one time per patch token), text states [batch, context_len, text_dim] ->
-    the prediction [batch, out_channels, frames, height, width]."""
+    [batch, tokens]: one time per patch token), text states [batch, context_len, text_dim]
+    (image-to-video: and CLIP image features [batch, image tokens, image_dim]) -> the prediction
+    [batch, out_channels, frames, height, width]."""
     patches, pack = patchify(list(hidden_states), model.cfg)
     t = timestep.reshape(-1) if timestep.dim() == 2 else timestep
-    return torch.stack(unpatchify(model(patches, pack, t, encoder_hidden_states), pack, model.cfg))
+    out = model(patches, pack, t, encoder_hidden_states, image_context=encoder_hidden_states_image)
+    return torch.stack(unpatchify(out, pack, model.cfg))
 
 
 def rope_inv_freqs(cfg: WanConfig) -> list[torch.Tensor]:
