@@ -28,11 +28,11 @@ def latent_root(cfg, run_dir: Path) -> Path:
 def validate(cfg) -> None:
     if cfg.parallel.stack != "torch":
         raise UserError(f"parallel.stack={cfg.parallel.stack}: Wan trains on the torch stack; set parallel.stack=torch")
-    cfg.model.check()
     if cfg.model.image_dim is not None:
         raise UserError(
             "model.image_dim: image-to-video training is not built yet (the I2V transformer loads, converts and runs through load_model)"
         )
+    cfg.model.check()
     cp = cfg.parallel.context_parallel_size
     if cfg.boundary_ratio is not None:
         if not 0 < cfg.boundary_ratio < 1:
