@@ -251,3 +251,37 @@ def test_two_experts_train_on_two_gloo_processes_as_on_one(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     _, back = read_run(again, WanRunConfig, "diffusion.wan", ema=False)
     assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_wan22_vae_latent_layout(tmp_path):
+    """Wan2.2's VAE (TI2V-5B's: 2x2 pixel patches in, residual, 16x in space): preprocessing,
+    training and generation follow its strides; a bucket its latents cannot patch is refused."""
+    import av
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, is_residual=True, patch_size=2,
+        in_channels=12, out_channels=12, scale_factor_spatial=16, latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    ).save_pretrained(tmp_path / "vae")  # fmt: skip
+    run = tmp_path / "run"
+    args = [
+        "train.train_iters=2",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=2",
+        "data.demo.count=4",
+        f"frozen.vae={tmp_path / 'vae'}",
+    ]
+    r = train([*args, f"checkpoint.run_dir={run}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    meta = json.loads((run / "data" / "demo" / "latents" / "shards" / "00000.json").read_text())
+    assert meta["samples"][0]["latent_shape"] == [4, 3, 4, 4]  # 9 x 64 x 64 at 4x / 16x
+    out = tmp_path / "v.mp4"
+    g = run_cli(["generate", str(run), "--prompt", "a red square", "--out", str(out), "--steps", "2"], module=MODULE)
+    assert g.returncode == 0, g.stderr[-3000:]
+    with av.open(str(out)) as c:
+        assert len([f for f in c.decode(video=0)]) == 9
+    bad = run_cli(["generate", str(run), "--prompt", "x", "--out", str(tmp_path / "b.mp4"), "--height", "48"], module=MODULE)
+    assert bad.returncode == 2 and "--height=48: must be a positive multiple of 32" in bad.stderr.strip().splitlines()[-1]
+    r = train([*args, "data.demo.height=48", "data.demo.width=48", f"checkpoint.run_dir={tmp_path / 'odd'}"])
+    assert r.returncode == 2 and "not divisible by model.patch_size=[1, 2, 2]" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]

@@ -34,9 +34,9 @@ def make_scheduler(name: str, shift: float, num_train_timesteps: int):
 
 def latent_shape(vae, channels: int, frames: int, height: int, width: int, patch) -> tuple[int, int, int, int]:
     """The latents of a frames x height x width video, checked against the VAE's and the patch's
-    strides (WanPipeline's: 4x in time with frames = 4k + 1, 8x in space)."""
-    ts = 2 ** sum(vae.config.temperal_downsample)
-    ss = 2 ** len(vae.config.temperal_downsample)
+    strides (WanPipeline's `scale_factor_temporal` / `scale_factor_spatial`: 4x in time with
+    frames = 4k + 1, 8x in space for Wan2.1's VAE, 16x for Wan2.2's)."""
+    ts, ss = vae.config.scale_factor_temporal or 4, vae.config.scale_factor_spatial or 8
     if frames < 1 or (frames - 1) % ts:
         raise UserError(f"--frames={frames}: must be {ts}k + 1 (1, {ts + 1}, {2 * ts + 1}, ...)")
     for name, v, p in (("--height", height, patch[1]), ("--width", width, patch[2])):

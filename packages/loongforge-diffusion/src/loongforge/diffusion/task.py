@@ -58,6 +58,18 @@ class WanTask(TrainingTask):
                 f"but model.in_channels={c.in_channels} and model.text_dim={c.text_dim}"
             )
 
+        pt, ph, pw = c.patch_size
+        bad = (
+            next((i for i, (_, f, h, w) in enumerate(dataset.shapes()) if f % pt or h % ph or w % pw), None)
+            if hasattr(dataset, "shapes")
+            else None
+        )
+        if bad is not None:
+            raise UserError(
+                f"{cfg.data.root}: sample {bad} has latents {tuple(dataset.shapes()[bad])}, not divisible by model.patch_size={list(c.patch_size)}; "
+                "preprocess with buckets whose sides divide by the VAE's stride times the patch"
+            )
+
     def build_model(self) -> torch.nn.Module:
         return build_transformer(self.cfg, self.ops).to(self.device)
 
