@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llm_throughput import timed  # noqa: E402
+from llm_throughput import profile_shares, timed  # noqa: E402
 
 PEAK = 989e12
 
@@ -156,30 +156,6 @@ def diffusers_step(cfg, latents, text, recompute: bool, compile_: bool):
     return step, (model, opt)
 
 
-def attention_share(step, steps: int = 2) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    total = attn = 0.0
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", 0) or 0
-        if t and ev.device_type.name == "CUDA":
-            total += t
-            rows.append((t, ev.key))
-            if any(n in ev.key for n in ("flash", "fmha", "attention", "Attention")):
-                attn += t
-    print(f"profile: {total / steps / 1e3:.1f} ms GPU time per step; top kernels:")
-    for t, k in sorted(rows, reverse=True)[:12]:
-        print(f"  {100 * t / total:5.1f}%  {k[:110]}")
-    return attn / total if total else 0.0
-
-
 def main():
     a = parse()
     logging.getLogger("diffusers").setLevel(logging.ERROR)
@@ -218,7 +194,7 @@ def main():
             step, keep = builders[name]()
             ms, mem = timed(step, a.warmup, a.steps)
             if name == "loongforge trainer" and not a.no_profile:
-                share = attention_share(step)
+                share = profile_shares(step, (("attention", ("flash", "fmha", "attention", "Attention")),), steps=2)["attention"]
             del step, keep
         except Exception as e:  # out of memory included: report the setup and go on
             print(f"{name}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)

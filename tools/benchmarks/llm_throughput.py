@@ -105,6 +105,36 @@ def timed(step, warmup: int, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
+def profile_shares(step, categories, steps: int = 3) -> dict:
+    """Shares of GPU time by kernel category over `steps` steps of `step` (after one warm step):
+    `categories` is ((name, (substring of a kernel name, ...)), ...); a kernel counts in its first
+    match. Prints the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and ev.device_type.name == "CUDA":
+            kernels[ev.key] = kernels.get(ev.key, 0) + t
+    total = sum(kernels.values())
+    shares = {name: 0.0 for name, _ in categories}
+    for k, t in kernels.items():
+        for name, needles in categories:
+            if any(n in k for n in needles):
+                shares[name] += t
+                break
+    print(f"profile: {total / steps / 1e3:.1f} ms GPU time per step; top kernels:")
+    for k, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {100 * t / total:5.1f}%  {k[:110]}")
+    return {name: t / total for name, t in shares.items()}
+
+
 def loongforge_trainer(
     mcfg, rows: int, seq: int, precision: str, kernels: bool, recompute: bool = False, stack: str = "megatron", compile_: bool = False
 ):

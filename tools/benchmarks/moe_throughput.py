@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llm_throughput import hf_train_step, loongforge_step, megatron_train_step, timed  # noqa: E402
+from llm_throughput import hf_train_step, loongforge_step, megatron_train_step, profile_shares, timed  # noqa: E402
 
 
 def parse():
@@ -158,34 +158,6 @@ CATEGORIES = (
 )
 
 
-def profile_shares(step, steps: int = 3) -> dict:
-    """GPU time by kernel category over `steps` steps of `step` (after one warm step)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    kernels = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t and ev.device_type.name == "CUDA":
-            kernels[ev.key] = kernels.get(ev.key, 0) + t
-    total = sum(kernels.values())
-    shares = {name: 0.0 for name, _ in CATEGORIES}
-    for k, t in kernels.items():
-        for name, needles in CATEGORIES:
-            if any(n in k for n in needles):
-                shares[name] += t
-                break
-    print(f"profile: {total / steps / 1e3:.1f} ms GPU time per step; top kernels:")
-    for k, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
-        print(f"  {100 * t / total:5.1f}%  {k[:110]}")
-    return {name: t / total for name, t in shares.items()}
-
-
 def main():
     a = parse()
     logging.getLogger("megatron").setLevel(logging.ERROR)
@@ -218,7 +190,7 @@ def main():
             step, keep = builders[name]()
             ms, mem = timed(step, a.warmup, a.steps)
             if name == "loongforge trainer (pure bf16)" and not a.no_profile:
-                shares = profile_shares(step)
+                shares = profile_shares(step, CATEGORIES)
             del step, keep
         except torch.OutOfMemoryError:
             print(f"{name}: out of memory", flush=True)

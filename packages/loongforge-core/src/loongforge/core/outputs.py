@@ -23,6 +23,58 @@ def require_new_dir(path) -> Path:
     return out
 
 
+def new_sibling_dir(root) -> Path:
+    """A new empty directory `.<name>.tmp-<pid>-<random>` beside `root` (made with the umask's
+    permissions, which it keeps once renamed into place), for writers that may race another
+    process writing the same `root`."""
+    import secrets
+
+    root = Path(root)
+    while True:
+        tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def write_once(root, write, existing):
+    """A generated directory at `root`, written once: `write(tmp)` fills a new sibling that is
+    renamed into place when complete and on disk (replacing nothing but an empty directory). If
+    `root` is already there, or another process (a second rank) puts its copy in place first,
+    `existing(root)` checks what is there and its value is returned; a failure leaves no
+    temporary behind and `root` as it was."""
+    import shutil
+
+    from loongforge.core.checkpoint.layout import fsync_path, fsync_tree
+
+    root = Path(root)
+
+    def taken() -> bool:
+        return os.path.lexists(root) and not (root.is_dir() and not root.is_symlink() and not any(root.iterdir()))
+
+    if taken():
+        return existing(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = new_sibling_dir(root)
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+        try:
+            os.rename(tmp, root)  # replaces an empty directory; fails on a non-empty one
+        except OSError:
+            if not taken():
+                raise
+            shutil.rmtree(tmp)  # another writer put its copy in place first
+            return existing(root)
+        fsync_path(root.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root
+
+
 _TEMPORARY = re.compile(r"^(?P<base>.+?)\.(?P<old>old\.)?tmp-(?P<pid>\d+)$")
 
 

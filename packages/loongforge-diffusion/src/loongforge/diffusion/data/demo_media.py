@@ -29,16 +29,13 @@ is left untouched.
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
 from fractions import Fraction
 from pathlib import Path
 
 import av
 import numpy as np
-from loongforge.core.checkpoint.layout import fsync_path, fsync_tree
 from loongforge.core.errors import UserError
+from loongforge.core.outputs import write_once
 
 DEMO_FORMAT = 1  # bump when the content changes
 SHAPES = ("square", "circle")
@@ -98,26 +95,7 @@ def write_demo_videos(root: Path, count: int = 24, frames: int = 9, height: int 
     existing complete one of the same parameters is returned untouched. A UserError when `root` is
     anything else (it is left as it is) or a parameter is out of range."""
     params = _check_params(count=count, frames=frames, height=height, width=width, fps=fps, seed=seed)
-    root = Path(root)
-    if os.path.lexists(root) and not (root.is_dir() and not root.is_symlink() and not any(root.iterdir())):
-        return _existing(root, params)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_sibling(root)
-    try:
-        _write(tmp, params)
-        fsync_tree(tmp)
-        try:
-            os.rename(tmp, root)  # replaces an empty directory; fails on a non-empty one
-        except OSError:
-            if not (root.is_dir() and any(root.iterdir())):
-                raise
-            shutil.rmtree(tmp)  # another writer put its copy in place first
-            return _existing(root, params)
-        fsync_path(root.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return root
+    return write_once(root, lambda tmp: _write(tmp, params), lambda r: _existing(r, params))
 
 
 def _check_params(**params) -> dict:
@@ -149,16 +127,6 @@ def _existing(root: Path, params: dict) -> Path:
     if missing:
         raise UserError(f"{root}: the demo video set is incomplete ({missing[0]} is missing); remove it to write it again")
     return root
-
-
-def _new_sibling(root: Path) -> Path:
-    while True:
-        tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            tmp.mkdir()
-            return tmp
-        except FileExistsError:
-            continue
 
 
 def _video_name(i: int) -> str:

@@ -45,9 +45,6 @@ is; an empty directory is replaced; anything else is a UserError, and nothing of
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
 from fractions import Fraction
 from pathlib import Path
 
@@ -56,6 +53,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from loongforge.core.errors import UserError
+from loongforge.core.outputs import write_once
 from loongforge.embodied.data.normalize import QUANTILES
 
 DEMO_KEY = "loongforge_demo"
@@ -96,29 +94,7 @@ def write_demo_dataset(root: Path, episodes: int = 8, frames: int = 40, fps: int
     return an existing complete one of the same parameters untouched. A UserError, naming the
     path, when `root` is anything else (it is left as it is) or a parameter is out of range."""
     params = _check_params(episodes=episodes, frames=frames, fps=fps, image_size=image_size, seed=seed)
-    root = Path(root)
-    if os.path.lexists(root) and not _is_empty_dir(root):
-        return _existing(root, params)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_sibling(root)
-    try:
-        _write(tmp, params)
-        _fsync_tree(tmp)
-        try:
-            os.rename(tmp, root)  # replaces an empty directory; fails on a non-empty one
-        except OSError:
-            if not (os.path.lexists(root) and not _is_empty_dir(root)):
-                raise
-            shutil.rmtree(tmp)  # another writer (a second rank) put its copy in place first
-            return _existing(root, params)
-        _fsync(root.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return root
-
-
-# ---- what is already there ----------------------------------------------------------------------
+    return write_once(root, lambda tmp: _write(tmp, params), lambda r: _existing(r, params))
 
 
 def _check_params(**params: int) -> dict:
@@ -132,10 +108,6 @@ def _check_params(**params: int) -> dict:
     if p["image_size"] % 2:
         raise UserError(f"demo dataset: image_size must be even (H.264 in yuv420p), got {p['image_size']}")
     return {"format": DEMO_FORMAT, **p}
-
-
-def _is_empty_dir(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
 
 
 def _existing(root: Path, params: dict) -> Path:
@@ -160,37 +132,6 @@ def _existing(root: Path, params: dict) -> Path:
 def _files() -> list[str]:
     paths = ["meta/info.json", "meta/tasks.parquet", "meta/stats.json", EPISODES_PATH, DATA_PATH.format(chunk_index=0, file_index=0)]
     return paths + [VIDEO_PATH.format(video_key=key, chunk_index=0, file_index=0) for key in CAMERAS]
-
-
-def _new_sibling(root: Path) -> Path:
-    """A new empty directory `.<name>.tmp-<pid>-<random>` beside `root` (made with the umask's
-    permissions, which the dataset keeps once renamed)."""
-    while True:
-        tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            tmp.mkdir()
-            return tmp
-        except FileExistsError:
-            continue
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    dirs = [root]
-    for p in sorted(root.rglob("*")):
-        if p.is_dir():
-            dirs.append(p)
-        else:
-            _fsync(p)
-    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
-        _fsync(d)
 
 
 # ---- content ------------------------------------------------------------------------------------
