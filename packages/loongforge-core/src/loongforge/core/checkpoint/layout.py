@@ -39,13 +39,14 @@ def fsync_tree(root: Path) -> None:
         fsync_path(d)
 
 
-def write_durable(path: Path, text: str) -> None:
-    """Replace `path` with `text` atomically and durably: a temporary file, fsync, rename, fsync
-    of the directory. A crash leaves the old content or the new one, never a torn file."""
+def write_durable(path: Path, content: str | bytes) -> None:
+    """Replace `path` with `content` (text or bytes) atomically and durably: a temporary file,
+    fsync, rename, fsync of the directory. A crash leaves the old content or the new one, never a
+    torn file."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
+        f.write(content)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

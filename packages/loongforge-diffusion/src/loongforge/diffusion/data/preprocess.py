@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from loongforge.core.checkpoint.layout import fsync_path, write_durable
+from loongforge.core.checkpoint.layout import write_durable
 from loongforge.core.errors import UserError
 from loongforge.diffusion.data.buckets import Bucket, choose_bucket, parse_buckets
 from loongforge.diffusion.data.encoders import (
@@ -150,16 +150,6 @@ def _sha256(path: Path) -> str:
 
 
 # ---- the output directory ------------------------------------------------------------------------
-
-
-def _write_bytes_durable(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def _write_json(path: Path, value) -> None:
@@ -388,7 +378,7 @@ def _write_shard(directory: Path, name: str, buffer) -> None:
     for j, (latents, text, _) in enumerate(buffer):
         tensors[f"latents.{j}"] = latents.detach().to("cpu").contiguous()
         tensors[f"text.{j}"] = text.detach().to("cpu").contiguous()
-    _write_bytes_durable(directory / f"{name}.safetensors", save(tensors, metadata={"format": FORMAT}))
+    write_durable(directory / f"{name}.safetensors", save(tensors, metadata={"format": FORMAT}))
     _write_json(directory / f"{name}.json", {"samples": [info for _, _, info in buffer]})
 
 
