@@ -148,6 +148,60 @@ def test_task_loss_equals_flow_matching_by_hand_on_diffusers_model():
     assert abs(total.item() - sum(want).item()) <= 1e-5 * abs(sum(want).item())
 
 
+def test_first_frame_conditioning_equals_diffusers_ti2v_by_hand():
+    """Wan2.2 TI2V: a conditioned sample keeps its first latent frame clean, its tokens get time 0
+    (diffusers' per-token `[batch, tokens]` timesteps, as WanPipeline's expand_timesteps) and
+    stay out of the loss; an unconditioned sample in the same pack trains as text-to-video."""
+    from diffusers import WanTransformer3DModel
+    from loongforge.core.foundation.hf_mapping import lf_to_hf
+    from loongforge.diffusion.config import WanRunConfig
+    from loongforge.diffusion.flow_matching import sample_u, shift_sigma
+    from loongforge.diffusion.models.wan import WAN_TABLE
+    from loongforge.diffusion.task import WanTask, pad_text
+
+    cfg = WanRunConfig()
+    cfg.flow.shift, cfg.flow.caption_dropout, cfg.flow.first_frame_condition, cfg.data.text_len = 3.0, 0.0, 0.5, 6
+    items = [
+        {"latents": torch.randn(4, 3, 4, 6), "text": torch.randn(5, cfg.model.text_dim)},
+        {"latents": torch.randn(4, 2, 4, 4), "text": torch.randn(3, cfg.model.text_dim)},
+    ]
+
+    class Latents(list):
+        meta = {"latent_channels": 4, "text_dim": cfg.model.text_dim}
+        get = list.__getitem__
+
+    task = WanTask(cfg, Latents(items), torch.zeros(1, cfg.model.text_dim), 0, 1, torch.device("cpu"), None)
+    torch.manual_seed(0)
+    model = task.build_model()
+    seed = 0
+    g = torch.Generator().manual_seed(seed)
+    sigma = shift_sigma(sample_u(cfg.flow, 2, g, "cpu"), 3.0)
+    torch.rand(2, generator=g)  # caption dropout's draw
+    cond = (torch.rand(2, generator=g) < 0.5).tolist()
+    assert cond == [True, False]  # (this seed conditions the first sample only)
+    mb = {"latents": [it["latents"] for it in items], "text": [it["text"] for it in items], "seed": seed}
+    with torch.no_grad():
+        total, weight, _ = task.loss(model, mb)
+
+    ref = WanTransformer3DModel(**{k: v for k, v in cfg.model.diffusers_config().items() if not k.startswith("_")})
+    ref.load_state_dict(lf_to_hf(WAN_TABLE, model.state_dict(), cfg.model))
+    want = []
+    for it, s, c in zip(items, sigma, cond):
+        x0 = it["latents"]
+        noise = torch.randn(x0.shape, generator=g)
+        x_t = (1 - s) * x0 + s * noise
+        t = torch.full(x0.shape[1:], float(s * 1000))
+        if c:
+            x_t[:, 0], t[0] = x0[:, 0], 0.0
+        t = t[:, ::2, ::2].flatten()[None]  # one time per patch token
+        with torch.no_grad():
+            pred = ref(x_t[None], t, pad_text([it["text"]], 6), return_dict=False)[0][0]
+        err = (pred - (noise - x0)).square()
+        want.append(err[:, 1:].mean() if c else err.mean())
+    assert weight.item() == 2.0
+    assert abs(total.item() - sum(want).item()) <= 1e-5 * abs(sum(want).item())
+
+
 def test_flow_matching_schedule():
     from loongforge.diffusion.flow_matching import FlowMatchingConfig, loss_weight, sample_u, shift_sigma
 
@@ -172,6 +226,7 @@ def test_flow_matching_schedule():
         ("checkpoint.load=/nonexistent/wan", "expected a diffusers WanTransformer3DModel directory"),
         ("parallel.context_parallel_size=3", "must divide model.num_attention_heads=4"),
         ("model.image_dim=32", "image-to-video training is not built yet"),
+        ("flow.first_frame_condition=1.5", "flow.first_frame_condition=1.5 must be in [0, 1]"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, override, message):

@@ -31,6 +31,9 @@ class FlowMatchingConfig:
     loss_weighting: str = "none"  # none | sigma_sqrt | cosmap
     caption_dropout: float = 0.1  # share of samples trained on the empty prompt (classifier-free guidance)
     num_train_timesteps: int = 1000  # the model's time input is sigma times this
+    # Wan2.2 TI2V: the share of samples conditioned on their first frame (kept clean: its latent
+    # tokens at time 0 and out of the loss), the rest text-to-video; 0: text-to-video only
+    first_frame_condition: float = 0.0
 
     def validate(self, prefix: str = "flow.") -> None:
         if self.timestep_sampling not in SAMPLINGS:
@@ -41,6 +44,8 @@ class FlowMatchingConfig:
             raise UserError(f"{prefix}shift={self.shift} must be positive (1: no shift)")
         if not 0 <= self.caption_dropout < 1:
             raise UserError(f"{prefix}caption_dropout={self.caption_dropout} must be in [0, 1)")
+        if not 0 <= self.first_frame_condition <= 1:
+            raise UserError(f"{prefix}first_frame_condition={self.first_frame_condition} must be in [0, 1]")
         if self.logit_std <= 0:
             raise UserError(f"{prefix}logit_std={self.logit_std} must be positive")
 

@@ -41,6 +41,10 @@ def validate(cfg) -> None:
             )
         if cp > 1:
             raise UserError("boundary_ratio (two experts) with parallel.context_parallel_size > 1 is not supported; set one of them back")
+        if cfg.flow.first_frame_condition > 0:
+            raise UserError(
+                "boundary_ratio (two experts) with flow.first_frame_condition > 0 is not supported (A14B routes by each sample's time)"
+            )
     if cp > 1 and cfg.model.num_attention_heads % cp:
         raise UserError(f"parallel.context_parallel_size={cp} must divide model.num_attention_heads={cfg.model.num_attention_heads}")
     cfg.flow.validate()

@@ -96,21 +96,39 @@ class WanTask(TrainingTask):
         drop = torch.rand(n, generator=g, device=self.device) < flow.caption_dropout
         texts = [self.empty_text if d else t for d, t in zip(drop.tolist(), mb["text"])]
         context = pad_text(texts, self.cfg.data.text_len).to(self.device)
+        # Wan2.2 TI2V: a share of the samples keep their first latent frame clean, as the image
+        # they are conditioned on (its tokens at time 0 and out of the loss)
+        cond = [False] * n
+        if flow.first_frame_condition > 0:
+            cond = (torch.rand(n, generator=g, device=self.device) < flow.first_frame_condition).tolist()
         inputs, targets = [], []
-        for x0, s in zip(mb["latents"], sigma):
+        for x0, s, c in zip(mb["latents"], sigma, cond):
             noise = torch.randn(x0.shape, generator=g, device=self.device, dtype=x0.dtype)
             x_t, v = noised(x0, noise, s)
+            if c:
+                x_t = torch.cat([x0[:, :1], x_t[:, 1:]], dim=1)
             inputs.append(x_t)
             targets.append(v)
         patches, pack = patchify(inputs, self.cfg.model)
-        pred = model(patches, pack, sigma * flow.num_train_timesteps, context, self.cp_group)
+        times = sigma * flow.num_train_timesteps
+        lens = torch.diff(pack.cu_seqlens)
+        keep = None  # per-token loss weights (None: every token)
+        if any(cond):
+            clean = torch.tensor([h * w if c else 0 for (_, h, w), c in zip(pack.grids, cond)], device=self.device)  # first-frame tokens
+            offset = torch.arange(patches.shape[0], device=self.device) - pack.cu_seqlens[pack.sample_of_token]
+            keep = (offset >= clean[pack.sample_of_token]).float()
+            times = times[pack.sample_of_token] * keep
+            lens = lens - clean
+        pred = model(patches, pack, times, context, self.cp_group)
         target, _ = patchify(targets, self.cfg.model, as_output=True)
         start, end = 0, target.shape[0]
         if self.cp_group is not None:  # this rank's tokens; their errors sum with the others' of its group
             start, end = local_range(end, dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group))
         per_token = (pred.float() - target[start:end].float()).square().mean(-1)
+        if keep is not None:
+            per_token = per_token * keep[start:end]
         sums = torch.zeros(n, device=self.device).index_add_(0, pack.sample_of_token[start:end], per_token)
-        weighted = sums / torch.diff(pack.cu_seqlens) * loss_weight(flow, sigma)
+        weighted = sums / lens * loss_weight(flow, sigma)
         first = self.cp_group is None or dist.get_rank(self.cp_group) == 0  # each sample counted once
         return weighted.sum(), torch.tensor(float(n if first else 0), device=self.device), {}
 
