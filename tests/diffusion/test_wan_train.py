@@ -202,6 +202,36 @@ def test_first_frame_conditioning_equals_diffusers_ti2v_by_hand():
     assert abs(total.item() - sum(want).item()) <= 1e-5 * abs(sum(want).item())
 
 
+def test_image_to_video_sampling_holds_the_first_frame():
+    """TI2V sampling: the conditioning image's latents stay the first latent frame at every step
+    (the model sees them at time 0), the other frames are sampled."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from loongforge.diffusion.generate import sample_latents
+    from loongforge.diffusion.models.wan import WanConfig, WanDiT
+
+    torch.manual_seed(0)
+    model = WanDiT(WanConfig()).eval()
+    first = torch.randn(4, 1, 4, 6)
+    cond, uncond = torch.randn(1, 5, 32), torch.zeros(1, 5, 32)
+    out = sample_latents(
+        model,
+        cond,
+        uncond,
+        (4, 3, 4, 6),
+        3,
+        2.0,
+        FlowMatchEulerDiscreteScheduler(shift=3.0),
+        torch.Generator().manual_seed(1),
+        "cpu",
+        first,
+    )
+    assert torch.equal(out[:, :1], first)
+    free = sample_latents(
+        model, cond, uncond, (4, 3, 4, 6), 3, 2.0, FlowMatchEulerDiscreteScheduler(shift=3.0), torch.Generator().manual_seed(1), "cpu"
+    )
+    assert not torch.allclose(free[:, 1:], out[:, 1:])  # the condition changes what is sampled
+
+
 def test_flow_matching_schedule():
     from loongforge.diffusion.flow_matching import FlowMatchingConfig, loss_weight, sample_u, shift_sigma
 
@@ -336,6 +366,25 @@ def test_wan22_vae_latent_layout(tmp_path):
     assert g.returncode == 0, g.stderr[-3000:]
     with av.open(str(out)) as c:
         assert len([f for f in c.decode(video=0)]) == 9
+    from PIL import Image
+
+    Image.new("RGB", (80, 64), (200, 30, 30)).save(tmp_path / "first.png")  # fitted (cropped) to 64 x 64
+    g = run_cli(
+        [
+            "generate",
+            str(run),
+            "--prompt",
+            "a red square",
+            "--image",
+            str(tmp_path / "first.png"),
+            "--out",
+            str(tmp_path / "i.mp4"),
+            "--steps",
+            "2",
+        ],
+        module=MODULE,
+    )
+    assert g.returncode == 0 and (tmp_path / "i.mp4").is_file(), g.stderr[-3000:]
     bad = run_cli(["generate", str(run), "--prompt", "x", "--out", str(tmp_path / "b.mp4"), "--height", "48"], module=MODULE)
     assert bad.returncode == 2 and "--height=48: must be a positive multiple of 32" in bad.stderr.strip().splitlines()[-1]
     r = train([*args, "data.demo.height=48", "data.demo.width=48", f"checkpoint.run_dir={tmp_path / 'odd'}"])

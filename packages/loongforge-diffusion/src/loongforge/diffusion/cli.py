@@ -15,6 +15,7 @@ EXAMPLES = """examples:
   loongforge-diffusion train wan2.1_t2v_1.3b data.root=latents/ checkpoint.load=/models/Wan2.1-T2V-1.3B-Diffusers/transformer
   torchrun --nproc-per-node 8 -m loongforge.diffusion.cli train run.yaml parallel.data_parallel_mode=fsdp
   loongforge-diffusion generate runs/tiny-wan --prompt "a red square moving right" --out red.mp4
+  loongforge-diffusion generate runs/ti2v --prompt "the square moves right" --image first.png --out clip.mp4
   loongforge-diffusion convert runs/tiny-wan export/transformer    # diffusers WanTransformer3DModel directory
 Errors you can fix print one line and exit 2; add --debug for the traceback."""
 
@@ -41,6 +42,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--out", required=True, help="a new .mp4 or .png file")
     g.add_argument("--negative-prompt", default="")
+    g.add_argument("--image", default=None, help="image-to-video (Wan2.2 TI2V): the first frame, held clean while the rest is sampled")
     g.add_argument("--frames", type=int, default=9, help="4k + 1 frames (1 for an image)")
     g.add_argument("--height", type=int, default=64)
     g.add_argument("--width", type=int, default=64)
@@ -103,6 +105,7 @@ def main(argv: list[str]) -> int:
             fps=args.fps,
             device=args.device,
             ema=ema,
+            image=args.image,
         )
         print(f"wrote {out}")
         return 0

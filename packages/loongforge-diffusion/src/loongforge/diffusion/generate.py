@@ -46,17 +46,30 @@ def latent_shape(vae, channels: int, frames: int, height: int, width: int, patch
 
 
 @torch.no_grad()
-def sample_latents(model, cond: torch.Tensor, uncond: torch.Tensor, shape, steps: int, guidance: float, scheduler, generator, device):
-    """Denoise Gaussian latents of `shape` in `steps` scheduler steps; cond / uncond: [1, L, D]."""
+def sample_latents(
+    model, cond: torch.Tensor, uncond: torch.Tensor, shape, steps: int, guidance: float, scheduler, generator, device, first_frame=None
+):
+    """Denoise Gaussian latents of `shape` in `steps` scheduler steps; cond / uncond: [1, L, D].
+    `first_frame` [channels, 1, h, w]: the latents of a conditioning image, held as the first
+    latent frame at time 0 (Wan2.2 TI2V's image-to-video, as WanPipeline's expand_timesteps)."""
     latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)[None]
     scheduler.set_timesteps(steps, device=device)
+    _, f, h, w = shape
+    pt, ph, pw = model.cfg.patch_size
     for t in scheduler.timesteps:
         ts = t.expand(1).to(device)
+        if first_frame is not None:
+            latents[0, :, :1] = first_frame
+            per_token = torch.full((f // pt, h // ph, w // pw), float(t), device=device)
+            per_token[0] = 0.0
+            ts = per_token.flatten()[None]
         pred = predict(model, latents, ts, cond)
         if guidance > 1.0:  # classifier-free guidance, as WanPipeline applies it
             base = predict(model, latents, ts, uncond)
             pred = base + guidance * (pred - base)
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+    if first_frame is not None:
+        latents[0, :, :1] = first_frame
     return latents[0]
 
 
@@ -95,6 +108,7 @@ def generate(
     fps: int = 16,
     device: str = "cpu",
     ema: bool | None = None,
+    image=None,
 ) -> Path:
     from loongforge.core.checkpoint.dcp_io import read_run
     from loongforge.diffusion.config import WanRunConfig
@@ -123,7 +137,14 @@ def generate(
     cond, uncond = (pad_text(encode_text(tok, enc, [p]), cfg.data.text_len).to(device) for p in (prompt, negative_prompt))
     sched = make_scheduler(scheduler, cfg.flow.shift, cfg.flow.num_train_timesteps)
     g = torch.Generator().manual_seed(seed)
-    latents = sample_latents(model, cond, uncond, shape, steps, guidance, sched, g, device)
+    first = None
+    if image is not None:  # image-to-video: the image, fitted to the frame, as the first latent frame
+        from loongforge.diffusion.data import encode_video, read_image, resize_crop
+
+        if not Path(image).is_file():
+            raise UserError(f"--image={image}: no such file")
+        first = encode_video(vae, resize_crop(read_image(Path(image)), height, width).to(device))
+    latents = sample_latents(model, cond, uncond, shape, steps, guidance, sched, g, device, first)
     video = decode_latents(vae, latents)  # [3, F, H, W] in [-1, 1]
     pixels = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
     out.parent.mkdir(parents=True, exist_ok=True)
