@@ -14,6 +14,8 @@ EXAMPLES = """examples:
       --text-encoder /models/Wan2.1-T2V-1.3B-Diffusers --buckets 480x832x81 832x480x81 --fps 16
   loongforge-diffusion train wan2.1_t2v_1.3b data.root=latents/ checkpoint.load=/models/Wan2.1-T2V-1.3B-Diffusers/transformer
   torchrun --nproc-per-node 8 -m loongforge.diffusion.cli train run.yaml parallel.data_parallel_mode=fsdp
+  torchrun --nproc-per-node 8 -m loongforge.diffusion.cli train run.yaml parallel.context_parallel_size=4   # long videos (Ulysses)
+  loongforge-diffusion train run.yaml boundary_ratio=0.875 checkpoint.load=/models/Wan2.2-T2V-A14B-Diffusers   # both experts
   loongforge-diffusion generate runs/tiny-wan --prompt "a red square moving right" --out red.mp4
   loongforge-diffusion generate runs/ti2v --prompt "the square moves right" --image first.png --out clip.mp4
   loongforge-diffusion convert runs/tiny-wan export/transformer    # diffusers WanTransformer3DModel directory
