@@ -27,7 +27,7 @@ def test_info_lists_packages_components_recipes_configs_and_devices():
         "loongforge-llm 0.1.0",
         "loongforge-kernels 0.1.0",
         "family: deepseek_v3, glm4_moe, llama, qwen2, qwen3, qwen3_moe",
-        "recipe: diffusion.wan, embodied.pi, llm.pretrain, llm.sft",
+        "recipe: diffusion.qwen_image, diffusion.wan, embodied.pi, llm.pretrain, llm.sft",
         "cpu: available",
         "device cpu:",
         "llm.pretrain: schema loongforge.llm.config.PretrainConfig; from loongforge-llm; default of llm configs",

@@ -416,3 +416,111 @@ def test_metadata_csv_and_no_image_bucket(demo, tmp_path):
     with pytest.raises(UserError, match="no bucket has 1 frame"):
         run(src, tmp_path / "out2", buckets=["32x32x9"])
     assert not (tmp_path / "out2").exists()
+
+
+# ---- Qwen-Image ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_encoders():
+    vae = load_vae("tiny", family="qwen_image")
+    tokenizer, encoder = load_text_encoder("tiny", family="qwen_image")
+    return vae, tokenizer, encoder
+
+
+def test_qwen_text_states_match_qwen_image_pipeline(qwen_encoders, encoders):
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from loongforge.diffusion.data.encoders import QWEN_PROMPT_DROP, QWEN_PROMPT_TEMPLATE
+
+    vae, tokenizer, encoder = qwen_encoders
+    assert type(vae) is AutoencoderKLQwenImage and type(encoder).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    text = encoder.config.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads) == (24, 2, 2, 1)
+    assert text.vocab_size == len(tokenizer) and sum(text.rope_parameters["mrope_section"]) * 2 == 24 // 2
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=encoder, tokenizer=tokenizer, transformer=None
+    )
+    assert (pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx) == (QWEN_PROMPT_TEMPLATE, QWEN_PROMPT_DROP)
+    captions = ["a red square moving right", "  a blue &amp; yellow\n circle   moving up ", "x"]
+    cpu = torch.device("cpu")
+    ours = encode_text(tokenizer, encoder, captions, family="qwen_image")
+    ref, mask = pipe._get_qwen_prompt_embeds(captions, device=cpu)
+    assert [len(o) for o in ours] == mask.sum(dim=1).tolist() and len({len(o) for o in ours}) == 3
+    for o, r in zip(ours, ref):
+        assert o.shape[1] == 24 and torch.equal(o, r[: len(o)]) and not r[len(o) :].any()
+    ref, _ = pipe.encode_prompt(captions, device=cpu, max_sequence_length=20)  # the pipeline's cut
+    assert all(torch.equal(o, r) for o, r in zip(encode_text(tokenizer, encoder, captions, 20, family="qwen_image"), ref))
+    # seed-0 weights, frozen
+    _, again = load_text_encoder("tiny", family="qwen_image")
+    assert all(torch.equal(a, b) for a, b in zip(encoder.state_dict().values(), again.state_dict().values()))
+    assert not any(p.requires_grad for p in encoder.parameters()) and not encoder.training
+    with pytest.raises(UserError, match="needs a Qwen2_5_VLForConditionalGeneration"):
+        encode_text(encoders[1], encoders[2], captions, family="qwen_image")
+    with pytest.raises(UserError, match="needs a UMT5EncoderModel"):
+        encode_text(tokenizer, encoder, captions)
+
+
+def test_qwen_frozen_round_trip_and_latent_normalization(qwen_encoders, tmp_path):
+    from diffusers import AutoencoderKLQwenImage
+
+    vae, tokenizer, encoder = qwen_encoders
+    paths = save_frozen("tiny", "tiny", tmp_path / "frozen", family="qwen_image")
+    assert sorted(p.name for p in (tmp_path / "frozen").iterdir()) == ["text_encoder", "tokenizer", "vae"]
+    # a later process needs no family: the directories name their classes
+    for spec in (paths["vae"], tmp_path / "frozen"):
+        loaded = load_vae(str(spec))
+        assert type(loaded) is AutoencoderKLQwenImage
+        assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), loaded.state_dict().values()))
+    tok2, enc2 = load_text_encoder(paths["text_encoder"])
+    assert type(enc2) is type(encoder) and not enc2.training
+    assert all(torch.equal(a, b) for a, b in zip(encoder.state_dict().values(), enc2.state_dict().values()))
+    caps = ["a green circle moving left"]
+    assert torch.equal(encode_text(tok2, enc2, caps, family="qwen_image")[0], encode_text(tokenizer, encoder, caps, family="qwen_image")[0])
+    # non-trivial latent stats: QwenImagePipeline's normalization (as Wan's)
+    cfg_path = Path(paths["vae"]) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    mean, std = [0.5, -0.25, 1.0, 0.0], [2.0, 0.5, 1.5, 3.0]
+    cfg_path.write_text(json.dumps(cfg | {"latents_mean": mean, "latents_std": std}))
+    loaded = load_vae(paths["vae"])
+    image = torch.rand(3, 1, SIZE, SIZE, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = encode_video(loaded, image)
+    assert latents.shape == (4, 1, 4, 4)
+    m, s = torch.tensor(mean).view(1, 4, 1, 1, 1), torch.tensor(std).view(1, 4, 1, 1, 1)
+    with torch.no_grad():
+        z = loaded.encode(image[None]).latent_dist.mode()
+        want = (z - m) * (1.0 / s)  # QwenImageImg2ImgPipeline._encode_vae_image, argmax
+        pixels = loaded.decode(latents[None] / (1.0 / s) + m, return_dict=False)[0][:, :, 0]  # QwenImagePipeline.__call__
+    assert torch.equal(latents, want[0])
+    decoded = decode_latents(loaded, latents)
+    assert decoded.shape == (3, 1, SIZE, SIZE) and torch.equal(decoded[:, 0], pixels[0])
+
+
+def test_preprocess_qwen_image(demo, tmp_path, qwen_encoders, clean):
+    vae, tokenizer, encoder = qwen_encoders
+    src = tmp_path / "src"
+    shutil.copytree(demo / "videos", src / "videos")
+    lines = [json.loads(x) for x in (demo / "captions.jsonl").read_text().splitlines()][:3]
+    (src / "captions.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "latents"
+    summary = run(src, out, buckets=["32x32x1"], family="qwen_image")
+    assert (summary["samples"], summary["bad"]) == (3, {})
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["family"], meta["latent_channels"], meta["text_dim"]) == ("qwen_image", 4, 24)
+    assert "family" not in json.loads((clean[0] / "meta.json").read_text())  # Wan outputs as before
+    ds = LatentDataset(out)
+    assert ds.family == "qwen_image" and LatentDataset(clean[0]).family == "wan"
+    assert ds.shapes() == [(4, 1, 4, 4)] * 3
+    for i, line in enumerate(lines):  # each video's first frame
+        sample = ds.get(i)
+        want = encode_video(vae, resize_crop(read_video(src / line["video"], 1, None), SIZE, SIZE))
+        assert torch.equal(sample["latents"], want)
+        assert torch.equal(sample["text"], encode_text(tokenizer, encoder, [line["caption"]], family="qwen_image")[0])
+    assert run(src, out, buckets=["32x32x1"], family="qwen_image") == summary  # complete: left as it is
+    with pytest.raises(UserError, match="family: 'qwen_image' there, None now"):
+        run(src, out, buckets=["32x32x1"])
+    # a video bucket is refused before anything is written
+    with pytest.raises(UserError, match="bucket '32x32x9'.*1 frame"):
+        run(src, tmp_path / "video", buckets=["32x32x1", "32x32x9"], family="qwen_image")
+    assert not (tmp_path / "video").exists()
+    with pytest.raises(UserError, match="family 'flux'"):
+        run(src, tmp_path / "flux", buckets=["32x32x1"], family="flux")

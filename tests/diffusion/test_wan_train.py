@@ -248,12 +248,12 @@ def test_flow_matching_schedule():
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("parallel.stack=megatron", "Wan trains on the torch stack"),
+        ("parallel.stack=megatron", "diffusion models train on the torch stack"),
         ("data.root=/nonexistent/latents", "not a preprocessed latent directory"),
         ("flow.timestep_sampling=beta", "flow.timestep_sampling='beta': choose one of"),
         ("flow.shift=0", "flow.shift=0.0 must be positive"),
         ("model.in_channels=8", "but model.in_channels=8"),
-        ("checkpoint.load=/nonexistent/wan", "expected a diffusers WanTransformer3DModel directory"),
+        ("checkpoint.load=/nonexistent/wan", "expected a diffusers transformer directory"),
         ("parallel.context_parallel_size=3", "must divide model.num_attention_heads=4"),
         ("model.image_dim=32", "image-to-video training is not built yet"),
         ("flow.first_frame_condition=1.5", "flow.first_frame_condition=1.5 must be in [0, 1]"),

@@ -19,12 +19,17 @@ EXAMPLES = """examples:
   loongforge-diffusion generate runs/tiny-wan --prompt "a red square moving right" --out red.mp4
   loongforge-diffusion generate runs/ti2v --prompt "the square moves right" --image first.png --out clip.mp4
   loongforge-diffusion convert runs/tiny-wan export/transformer    # diffusers WanTransformer3DModel directory
+  loongforge-diffusion train qwen_image_tiny                   # Qwen-Image (MMDiT) on the demo's first frames
+  loongforge-diffusion preprocess images/ latents/ --family qwen_image --vae /models/Qwen-Image --text-encoder /models/Qwen-Image --buckets 1024x1024x1
+  loongforge-diffusion generate runs/tiny-qwen-image --prompt "a red square" --frames 1 --out red.png
 Errors you can fix print one line and exit 2; add --debug for the traceback."""
 
 
 def parser() -> argparse.ArgumentParser:
     fmt = {"epilog": EXAMPLES, "formatter_class": argparse.RawDescriptionHelpFormatter}
-    p = argparse.ArgumentParser(prog="loongforge-diffusion", description="Video diffusion transformers with LoongForge.", **fmt)
+    p = argparse.ArgumentParser(
+        prog="loongforge-diffusion", description="Diffusion transformers (Wan video, Qwen-Image) with LoongForge.", **fmt
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train from a YAML config", **fmt)
     t.add_argument("config", help="YAML file, or the name of a shipped config (wan_tiny, wan2.1_t2v_1.3b)")
@@ -38,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
     pp.add_argument("--fps", type=float, default=16.0, help="frame rate videos are sampled at (0: every frame)")
     pp.add_argument("--shard-size", type=int, default=64)
     pp.add_argument("--on-bad-sample", choices=["skip", "error"], default="skip")
+    pp.add_argument(
+        "--family", choices=["wan", "qwen_image"], default="wan", help="whose VAE and text states (qwen_image: images, 1-frame buckets)"
+    )
     pp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the encoders' dtype")
     g = sub.add_parser("generate", help="a video (.mp4) or image (.png) from a trained run", **fmt)
     g.add_argument("run_dir")
@@ -85,6 +93,7 @@ def main(argv: list[str]) -> int:
             shard_size=args.shard_size,
             on_bad_sample=args.on_bad_sample,
             dtype=getattr(torch, args.dtype),
+            family=args.family,
         )
         print(json.dumps(summary))
         return 0

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
 from loongforge.diffusion.flow_matching import FlowMatchingConfig
+from loongforge.diffusion.models.qwen_image import QwenImageConfig
 from loongforge.diffusion.models.wan import WanConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -58,3 +59,14 @@ class WanRunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoint.load: a diffusers WanTransformer3DModel directory
     ops: dict = field(default_factory=dict)  # op name -> implementation
+
+
+@dataclass
+class QwenImageRunConfig(WanRunConfig):
+    """A Qwen-Image run: the same sections, the model a `QwenImageTransformer2DModel` shape; the
+    data are images (1-frame latents, the demo takes each video's first frame) with their real
+    text tokens (`data.text_len` does not apply); `boundary_ratio`, context parallel and
+    first-frame conditioning are Wan's."""
+
+    recipe: str = "diffusion.qwen_image"
+    model: QwenImageConfig = field(default_factory=QwenImageConfig)

@@ -36,7 +36,9 @@ def latent_shape(vae, channels: int, frames: int, height: int, width: int, patch
     """The latents of a frames x height x width video, checked against the VAE's and the patch's
     strides (WanPipeline's `scale_factor_temporal` / `scale_factor_spatial`: 4x in time with
     frames = 4k + 1, 8x in space for Wan2.1's VAE, 16x for Wan2.2's)."""
-    ts, ss = vae.config.scale_factor_temporal or 4, vae.config.scale_factor_spatial or 8
+    down = vae.config.temperal_downsample  # (Qwen-Image's VAE config names no scale factors: its pipeline's)
+    ts = getattr(vae.config, "scale_factor_temporal", None) or 2 ** sum(down)
+    ss = getattr(vae.config, "scale_factor_spatial", None) or 2 ** len(down)
     if frames < 1 or (frames - 1) % ts:
         raise UserError(f"--frames={frames}: must be {ts}k + 1 (1, {ts + 1}, {2 * ts + 1}, ...)")
     for name, v, p in (("--height", height, patch[1]), ("--width", width, patch[2])):
@@ -71,6 +73,33 @@ def sample_latents(
     if first_frame is not None:
         latents[0, :, :1] = first_frame
     return latents[0]
+
+
+@torch.no_grad()
+def sample_image_latents(model, cond: torch.Tensor, uncond: torch.Tensor, shape, steps: int, guidance: float, scheduler, generator, device):
+    """Qwen-Image: denoise image latents [channels, 1, h, w]; cond / uncond: the real text states
+    [L, D] of the prompt and the negative prompt. Guidance as QwenImagePipeline's true CFG:
+    uncond + g (cond - uncond), rescaled to the conditional prediction's norm per token."""
+    from loongforge.diffusion.models.qwen_image import JointPack, pack_latents, unpack_latents
+
+    c, _, h, w = shape
+    p = model.cfg.patch_size
+    latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
+    scheduler.set_timesteps(steps, device=device)
+    for t in scheduler.timesteps:
+        rows = pack_latents(latents, p)
+
+        def run(text):
+            return model(rows, text, (t / 1000).expand(1).to(device), JointPack.of([(1, h // p, w // p)], [len(text)], device))
+
+        pred = run(cond)
+        if guidance > 1.0:
+            base = run(uncond)
+            mixed = base + guidance * (pred - base)
+            pred = mixed * (pred.norm(dim=-1, keepdim=True) / mixed.norm(dim=-1, keepdim=True))
+        step = scheduler.step(unpack_latents(pred, h, w, p)[None], t, latents[None], return_dict=False)[0]
+        latents = step[0]
+    return latents
 
 
 def write_media(frames: np.ndarray, out: Path, fps: int) -> None:
@@ -110,10 +139,9 @@ def generate(
     ema: bool | None = None,
     image=None,
 ) -> Path:
-    from loongforge.core.checkpoint.dcp_io import read_run
-    from loongforge.diffusion.config import WanRunConfig
-    from loongforge.diffusion.data import decode_latents, encode_text, load_text_encoder, load_vae
-    from loongforge.diffusion.recipe import FROZEN
+    from loongforge.diffusion.data import encode_text, load_text_encoder, load_vae
+    from loongforge.diffusion.model_io import read_trained
+    from loongforge.diffusion.recipe import FROZEN, family
 
     run_dir, out = Path(run_dir), Path(out)
     if out.suffix not in (".mp4", ".png"):
@@ -124,19 +152,28 @@ def generate(
         raise UserError(f"{out}: a .png holds one frame; pass --frames 1 or name an .mp4")
     if steps < 1 or guidance < 0:
         raise UserError(f"--steps={steps} must be at least 1 and --guidance={guidance} at least 0")
-    cfg, state = read_run(run_dir, WanRunConfig, "diffusion.wan", ema, what="generate from")
+    cfg, state = read_trained(run_dir, ema, what="generate from")
+    fam = family(cfg)
+    if fam == "qwen_image" and (frames != 1 or image is not None):
+        raise UserError("a Qwen-Image run generates images: pass --frames 1 (and no --image) and name a .png")
     if not (run_dir / FROZEN).is_file():
         raise UserError(f"{run_dir}: no {FROZEN} (the run was not started by `loongforge-diffusion train`)")
     frozen = json.loads((run_dir / FROZEN).read_text())
     model = build_transformer(cfg)  # two-expert runs pick the expert by each step's time
     model.load_state_dict(state, strict=True)
     model = model.float().to(device).eval()
-    vae = load_vae(frozen["vae"]).to(device)
-    shape = latent_shape(vae, cfg.model.in_channels, frames, height, width, cfg.model.patch_size)
-    tok, enc = load_text_encoder(frozen["text_encoder"])
-    cond, uncond = (pad_text(encode_text(tok, enc, [p]), cfg.data.text_len).to(device) for p in (prompt, negative_prompt))
+    vae = load_vae(frozen["vae"], family=fam).to(device)
+    tok, enc = load_text_encoder(frozen["text_encoder"], family=fam)
+    texts = [encode_text(tok, enc, [p], family=fam)[0].to(device) for p in (prompt, negative_prompt)]
     sched = make_scheduler(scheduler, cfg.flow.shift, cfg.flow.num_train_timesteps)
     g = torch.Generator().manual_seed(seed)
+    if fam == "qwen_image":
+        p = cfg.model.patch_size
+        shape = latent_shape(vae, cfg.model.in_channels // p**2, 1, height, width, (1, p, p))
+        latents = sample_image_latents(model, *texts, shape, steps, guidance, sched, g, device)
+        return _write_decoded(vae, latents, out, fps)
+    shape = latent_shape(vae, cfg.model.in_channels, frames, height, width, cfg.model.patch_size)
+    cond, uncond = (pad_text([t], cfg.data.text_len) for t in texts)
     first = None
     if image is not None:  # image-to-video: the image, fitted to the frame, as the first latent frame
         from loongforge.diffusion.data import encode_video, read_image, resize_crop
@@ -145,6 +182,12 @@ def generate(
             raise UserError(f"--image={image}: no such file")
         first = encode_video(vae, resize_crop(read_image(Path(image)), height, width).to(device))
     latents = sample_latents(model, cond, uncond, shape, steps, guidance, sched, g, device, first)
+    return _write_decoded(vae, latents, out, fps)
+
+
+def _write_decoded(vae, latents, out: Path, fps: int) -> Path:
+    from loongforge.diffusion.data import decode_latents
+
     video = decode_latents(vae, latents)  # [3, F, H, W] in [-1, 1]
     pixels = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
     out.parent.mkdir(parents=True, exist_ok=True)

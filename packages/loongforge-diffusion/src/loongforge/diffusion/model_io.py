@@ -132,6 +132,19 @@ def read_transformers(path: Path, run) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_trained(run_dir: Path, ema: bool | None = None, what: str = "read"):
+    """(config, model state) of a run of either diffusion recipe (`read_run` of its config class)."""
+    from loongforge.core.checkpoint import find_checkpoint, read_manifest
+    from loongforge.core.checkpoint.dcp_io import read_run
+    from loongforge.diffusion.config import QwenImageRunConfig, WanRunConfig
+
+    step = find_checkpoint(run_dir)
+    recipe = read_manifest(step)["config"].get("recipe") if step is not None else None
+    if recipe == "diffusion.qwen_image":
+        return read_run(run_dir, QwenImageRunConfig, recipe, ema, what=what)
+    return read_run(run_dir, WanRunConfig, "diffusion.wan", ema, what=what)
+
+
 def load_model(path, ema: bool | None = None) -> nn.Module:
     """A diffusers transformer directory of a supported family (WanTransformer3DModel,
     QwenImageTransformer2DModel; or a pipeline directory holding one), or a run directory of
@@ -140,12 +153,11 @@ def load_model(path, ema: bool | None = None) -> nn.Module:
     own forward arguments, returning the prediction tensor (CPU, the weights' dtype)."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
-        from loongforge.core.checkpoint.dcp_io import read_run
-        from loongforge.diffusion.config import WanRunConfig
         from loongforge.diffusion.task import build_transformer
 
-        run, state = read_run(path, WanRunConfig, "diffusion.wan", ema, what="load")
-        model, call = build_transformer(run), DiffusersCall
+        run, state = read_trained(path, ema, what="load")
+        model = build_transformer(run)
+        call = QwenImageCall if isinstance(model, qwen_image.QwenImageDiT) else DiffusersCall
     else:
         cfg, state = read_diffusers(path)
         _, _, model_cls, call = family_of(cfg)
@@ -158,12 +170,10 @@ def export_run(run_dir, out, ema: bool | None = None) -> Path:
     """A run's newest checkpoint (its EMA where it kept one, unless `ema` says) as a diffusers
     WanTransformer3DModel directory at `out` (new or empty; written whole, then renamed); a
     two-expert run as `out/transformer` and `out/transformer_2`, as a Wan2.2 pipeline holds them."""
-    from loongforge.core.checkpoint.dcp_io import read_run
     from loongforge.core.outputs import replaced_dir, require_new_dir
-    from loongforge.diffusion.config import WanRunConfig
 
     out = require_new_dir(Path(out))
-    run, state = read_run(Path(run_dir), WanRunConfig, "diffusion.wan", ema, what="export")
+    run, state = read_trained(Path(run_dir), ema, what="export")
     with replaced_dir(out) as tmp:
         if run.boundary_ratio is None:
             write_diffusers(run.model, state, tmp)

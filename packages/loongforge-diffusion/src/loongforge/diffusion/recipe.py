@@ -1,5 +1,7 @@
-"""The `diffusion.wan` recipe: a Wan text-to-video transformer trained by flow matching on
-preprocessed latents, with core's trainer on the torch-native stack (DDP, ZeRO-1, FSDP2, HSDP)."""
+"""The `diffusion.wan` and `diffusion.qwen_image` recipes: a Wan video transformer or a
+Qwen-Image MMDiT trained by flow matching on preprocessed latents, with core's trainer on the
+torch-native stack (DDP, ZeRO-1, FSDP2, HSDP). The two differ in their checks, the data's family
+(the frozen encoders) and the task; the run is the same."""
 
 from __future__ import annotations
 
@@ -25,9 +27,40 @@ def latent_root(cfg, run_dir: Path) -> Path:
     return run_dir / "data" / "demo" / "latents" if cfg.data.root == "demo" else Path(cfg.data.root)
 
 
+def family(cfg) -> str:
+    return "qwen_image" if cfg.recipe in ("diffusion.qwen_image", "qwen_image") else "wan"
+
+
 def validate(cfg) -> None:
     if cfg.parallel.stack != "torch":
-        raise UserError(f"parallel.stack={cfg.parallel.stack}: Wan trains on the torch stack; set parallel.stack=torch")
+        raise UserError(f"parallel.stack={cfg.parallel.stack}: diffusion models train on the torch stack; set parallel.stack=torch")
+    if family(cfg) == "qwen_image":
+        validate_qwen_image(cfg)
+    else:
+        validate_wan(cfg)
+    cfg.flow.validate()
+    if cfg.data.root != "demo" and not (Path(cfg.data.root) / "meta.json").is_file():
+        raise UserError(f"data.root={cfg.data.root}: not a preprocessed latent directory (run `loongforge-diffusion preprocess` first)")
+    load = cfg.checkpoint.load
+    if load:
+        from loongforge.diffusion.model_io import transformer_dir
+
+        if not (transformer_dir(Path(load)) / "config.json").is_file() and cfg.boundary_ratio is None:
+            raise UserError(f"checkpoint.load={load}: expected a diffusers transformer directory (config.json + weights)")
+
+
+def validate_qwen_image(cfg) -> None:
+    cfg.model.check()
+    for what, value, default in (
+        ("parallel.context_parallel_size", cfg.parallel.context_parallel_size, 1),
+        ("boundary_ratio", cfg.boundary_ratio, None),
+        ("flow.first_frame_condition", cfg.flow.first_frame_condition, 0.0),
+    ):
+        if value != default:
+            raise UserError(f"{what}={value}: not supported for Qwen-Image; set it to {default}")
+
+
+def validate_wan(cfg) -> None:
     if cfg.model.image_dim is not None:
         raise UserError(
             "model.image_dim: image-to-video training is not built yet (the I2V transformer loads, converts and runs through load_model)"
@@ -47,17 +80,8 @@ def validate(cfg) -> None:
             )
     if cp > 1 and cfg.model.num_attention_heads % cp:
         raise UserError(f"parallel.context_parallel_size={cp} must divide model.num_attention_heads={cfg.model.num_attention_heads}")
-    cfg.flow.validate()
     if cfg.data.text_len < 1:
         raise UserError(f"data.text_len={cfg.data.text_len} must be at least 1 (Wan: 512)")
-    if cfg.data.root != "demo" and not (Path(cfg.data.root) / "meta.json").is_file():
-        raise UserError(f"data.root={cfg.data.root}: not a preprocessed latent directory (run `loongforge-diffusion preprocess` first)")
-    load = cfg.checkpoint.load
-    if load:
-        from loongforge.diffusion.model_io import transformer_dir
-
-        if not (transformer_dir(Path(load)) / "config.json").is_file():
-            raise UserError(f"checkpoint.load={load}: expected a diffusers WanTransformer3DModel directory (config.json + weights)")
 
 
 def prepare_data(cfg, run_dir: Path) -> None:
@@ -65,33 +89,36 @@ def prepare_data(cfg, run_dir: Path) -> None:
     record (tiny ones written into the run) and the empty prompt's text states."""
     from loongforge.diffusion.data import encode_text, load_text_encoder, preprocess, save_frozen, write_demo_videos
 
+    fam = family(cfg)
     if cfg.data.root == "demo":
         d = cfg.data.demo
         raw = write_demo_videos(
             run_dir / "data" / "demo" / "raw", count=d.count, frames=d.frames, height=d.height, width=d.width, seed=cfg.data.seed
         )
+        frames = 1 if fam == "qwen_image" else d.frames  # Qwen-Image: each video's first frame
         preprocess(
             raw,
             latent_root(cfg, run_dir),
             vae_spec=cfg.frozen.vae,
             text_spec=cfg.frozen.text_encoder,
-            buckets=[f"{d.height}x{d.width}x{d.frames}"],
+            buckets=[f"{d.height}x{d.width}x{frames}"],
             fps=None,
+            family=fam,
         )
-    frozen = save_frozen(cfg.frozen.vae, cfg.frozen.text_encoder, run_dir / "frozen")
+    frozen = save_frozen(cfg.frozen.vae, cfg.frozen.text_encoder, run_dir / "frozen", family=fam)
     write_durable(run_dir / FROZEN, json.dumps(frozen, indent=1))
     if not (run_dir / EMPTY_TEXT).is_file():
         from safetensors.torch import save_file
 
-        tok, enc = load_text_encoder(frozen["text_encoder"])
+        tok, enc = load_text_encoder(frozen["text_encoder"], family=fam)
         tmp = run_dir / f".{EMPTY_TEXT}.tmp"
-        save_file({"text": encode_text(tok, enc, [""])[0].contiguous()}, str(tmp))
+        save_file({"text": encode_text(tok, enc, [""], family=fam)[0].contiguous()}, str(tmp))
         tmp.replace(run_dir / EMPTY_TEXT)
 
 
 def run(cfg) -> dict:
     from loongforge.diffusion.data import LatentDataset
-    from loongforge.diffusion.task import WanTask
+    from loongforge.diffusion.task import QwenImageTask, WanTask
     from safetensors.torch import load_file
 
     validate(cfg)
@@ -114,6 +141,7 @@ def run(cfg) -> dict:
     dataset = LatentDataset(latent_root(cfg, run_dir))
     empty = load_file(str(run_dir / EMPTY_TEXT))["text"]
     load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
-    task = WanTask(cfg, dataset, empty, stack.data_rank, stack.data_size, acc.device(), ops, load, stack.cp_group)
+    task_cls = QwenImageTask if family(cfg) == "qwen_image" else WanTask
+    task = task_cls(cfg, dataset, empty, stack.data_rank, stack.data_size, acc.device(), ops, load, stack.cp_group)
     trainer = Trainer(cfg.train, cfg.checkpoint, stack, acc, task, dataclasses.asdict(cfg), identity, ops)
     return trainer.run(start.resume_from, verified=True)

@@ -32,7 +32,12 @@ def pad_text(states: list[torch.Tensor], length: int) -> torch.Tensor:
 
 
 def build_transformer(cfg, ops=None) -> torch.nn.Module:
-    """The run's transformer: one Wan transformer, or Wan2.2 A14B's two (`boundary_ratio`)."""
+    """The run's transformer: a Qwen-Image MMDiT, one Wan transformer, or Wan2.2 A14B's two
+    (`boundary_ratio`)."""
+    from loongforge.diffusion.models.qwen_image import QwenImageConfig, QwenImageDiT
+
+    if isinstance(cfg.model, QwenImageConfig):
+        return QwenImageDiT(cfg.model, ops)
     if cfg.boundary_ratio is None:
         return WanDiT(cfg.model, ops)
     return WanExperts(cfg.model, cfg.boundary_ratio * cfg.flow.num_train_timesteps, ops)
@@ -50,23 +55,23 @@ class WanTask(TrainingTask):
         self.empty_text, self.load, self.cp_group = empty_text, load, cp_group
         self.order = DatasetMixture([dataset], [1.0], seed=cfg.data.seed)
         self.units_per_step = cfg.train.global_batch_size
-        c = cfg.model
+        self.check_data(dataset)
+
+    def check_data(self, dataset) -> None:
+        """The latents and text states fit the model (one-line errors naming the mismatch)."""
+        c, root = self.cfg.model, self.cfg.data.root
         channels, width = dataset.meta["latent_channels"], dataset.meta["text_dim"]
         if channels != c.in_channels or width != c.text_dim:
             raise UserError(
-                f"{cfg.data.root}: latents of {channels} channels and text states of width {width}, "
+                f"{root}: latents of {channels} channels and text states of width {width}, "
                 f"but model.in_channels={c.in_channels} and model.text_dim={c.text_dim}"
             )
-
         pt, ph, pw = c.patch_size
-        bad = (
-            next((i for i, (_, f, h, w) in enumerate(dataset.shapes()) if f % pt or h % ph or w % pw), None)
-            if hasattr(dataset, "shapes")
-            else None
-        )
+        shapes = dataset.shapes() if hasattr(dataset, "shapes") else []
+        bad = next((i for i, (_, f, h, w) in enumerate(shapes) if f % pt or h % ph or w % pw), None)
         if bad is not None:
             raise UserError(
-                f"{cfg.data.root}: sample {bad} has latents {tuple(dataset.shapes()[bad])}, not divisible by model.patch_size={list(c.patch_size)}; "
+                f"{root}: sample {bad} has latents {tuple(shapes[bad])}, not divisible by model.patch_size={list(c.patch_size)}; "
                 "preprocess with buckets whose sides divide by the VAE's stride times the patch"
             )
 
@@ -95,7 +100,6 @@ class WanTask(TrainingTask):
         sigma = shift_sigma(sample_u(flow, n, g, self.device), flow.shift)
         drop = torch.rand(n, generator=g, device=self.device) < flow.caption_dropout
         texts = [self.empty_text if d else t for d, t in zip(drop.tolist(), mb["text"])]
-        context = pad_text(texts, self.cfg.data.text_len).to(self.device)
         # Wan2.2 TI2V: a share of the samples keep their first latent frame clean, as the image
         # they are conditioned on (its tokens at time 0 and out of the loss)
         cond = [False] * n
@@ -109,10 +113,24 @@ class WanTask(TrainingTask):
                 x_t = torch.cat([x0[:, :1], x_t[:, 1:]], dim=1)
             inputs.append(x_t)
             targets.append(v)
+        pred, target, owner, lens, keep = self.predict_rows(model, inputs, targets, sigma, texts, cond)
+        per_token = (pred.float() - target.float()).square().mean(-1)
+        if keep is not None:
+            per_token = per_token * keep
+        sums = torch.zeros(n, device=self.device).index_add_(0, owner, per_token)
+        weighted = sums / lens * loss_weight(flow, sigma)
+        first = self.cp_group is None or dist.get_rank(self.cp_group) == 0  # each sample counted once
+        return weighted.sum(), torch.tensor(float(n if first else 0), device=self.device), {}
+
+    def predict_rows(self, model, inputs, targets, sigma, texts, cond):
+        """The family's part of the loss: (prediction rows, target rows, each row's sample, each
+        sample's loss-token count, per-row loss weights or None) of this rank's tokens."""
+        flow = self.cfg.flow
+        context = pad_text(texts, self.cfg.data.text_len).to(self.device)
         patches, pack = patchify(inputs, self.cfg.model)
         times = sigma * flow.num_train_timesteps
         lens = torch.diff(pack.cu_seqlens)
-        keep = None  # per-token loss weights (None: every token)
+        keep = None
         if any(cond):
             clean = torch.tensor([h * w if c else 0 for (_, h, w), c in zip(pack.grids, cond)], device=self.device)  # first-frame tokens
             offset = torch.arange(patches.shape[0], device=self.device) - pack.cu_seqlens[pack.sample_of_token]
@@ -124,13 +142,7 @@ class WanTask(TrainingTask):
         start, end = 0, target.shape[0]
         if self.cp_group is not None:  # this rank's tokens; their errors sum with the others' of its group
             start, end = local_range(end, dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group))
-        per_token = (pred.float() - target[start:end].float()).square().mean(-1)
-        if keep is not None:
-            per_token = per_token * keep[start:end]
-        sums = torch.zeros(n, device=self.device).index_add_(0, pack.sample_of_token[start:end], per_token)
-        weighted = sums / lens * loss_weight(flow, sigma)
-        first = self.cp_group is None or dist.get_rank(self.cp_group) == 0  # each sample counted once
-        return weighted.sum(), torch.tensor(float(n if first else 0), device=self.device), {}
+        return pred, target[start:end], pack.sample_of_token[start:end], lens, None if keep is None else keep[start:end]
 
     def initial_weights(self, model, optimizer, stack) -> int:
         """A diffusers WanTransformer3DModel directory (two-expert runs: a Wan2.2 pipeline
@@ -141,3 +153,36 @@ class WanTask(TrainingTask):
 
         stack.load_full_state_dict(model, read_transformers(self.load, self.cfg))
         return 0
+
+
+class QwenImageTask(WanTask):
+    """Qwen-Image: image latents [channels, 1, h, w] packed in 2x2 patches (QwenImagePipeline's
+    layout), each sample's joint attention with its real text tokens (no padding), the model's
+    time input sigma itself (the pipeline passes t / 1000)."""
+
+    def check_data(self, dataset) -> None:
+        c, root = self.cfg.model, self.cfg.data.root
+        channels, width = dataset.meta["latent_channels"], dataset.meta["text_dim"]
+        if channels * c.patch_size**2 != c.in_channels or width != c.joint_attention_dim:
+            raise UserError(
+                f"{root}: latents of {channels} channels (x {c.patch_size}^2 packed) and text states of width {width}, "
+                f"but model.in_channels={c.in_channels} and model.joint_attention_dim={c.joint_attention_dim}"
+            )
+        shapes = dataset.shapes() if hasattr(dataset, "shapes") else []
+        bad = next((i for i, (_, f, h, w) in enumerate(shapes) if f != 1 or h % c.patch_size or w % c.patch_size), None)
+        if bad is not None:
+            raise UserError(
+                f"{root}: sample {bad} has latents {tuple(shapes[bad])}; Qwen-Image trains on images (1 frame) whose latent sides "
+                f"divide by model.patch_size={c.patch_size}"
+            )
+
+    def predict_rows(self, model, inputs, targets, sigma, texts, cond):
+        from loongforge.diffusion.models.qwen_image import JointPack, pack_latents
+
+        p = self.cfg.model.patch_size
+        shapes = [(1, x.shape[2] // p, x.shape[3] // p) for x in inputs]
+        pack = JointPack.of(shapes, [len(t) for t in texts], self.device)
+        pred = model(torch.cat([pack_latents(x, p) for x in inputs]), torch.cat(texts).to(self.device), sigma, pack)
+        target = torch.cat([pack_latents(x, p) for x in targets])
+        lens = torch.tensor([f * h * w for f, h, w in shapes], device=self.device)
+        return pred, target, pack.img_sample, lens, None

@@ -1,4 +1,4 @@
-"""Text-to-video data for Wan2.1-style training: media read without torchvision, buckets, the
+"""Text-to-video (Wan) and text-to-image (Qwen-Image) data: media read without torchvision, buckets, the
 frozen encoders, latent preprocessing and the dataset of its output.
 
 `read_video` / `read_image` decode with PyAV / PIL to uint8 frames (errors: `BadMedia` with a
@@ -8,10 +8,12 @@ float32 [3, F, H, W] in [-1, 1].
 `Bucket`, `parse_buckets` ("HxWxF" strings: frames 4k+1, sides divisible by 16) and
 `choose_bucket` (closest aspect ratio among the buckets short enough).
 
-`load_vae` (diffusers' `AutoencoderKLWan`) and `load_text_encoder` (a UMT5 encoder and its
-tokenizer), from a directory or "tiny" (random, seed 0); `encode_video` / `decode_latents` with the
-Wan pipelines' per-channel latent normalization; `encode_text` as `WanPipeline._get_t5_prompt_embeds`
-before padding; `save_frozen` writes tiny encoders where a later process can load them.
+`load_vae` (diffusers' `AutoencoderKLWan`, or `AutoencoderKLQwenImage`) and `load_text_encoder` (a
+UMT5 encoder, or a Qwen2.5-VL model, and its tokenizer), from a directory or "tiny" (random, seed 0;
+`family="qwen_image"` for Qwen-Image's); `encode_video` / `decode_latents` with the pipelines'
+per-channel latent normalization; `encode_text` as `WanPipeline._get_t5_prompt_embeds` (or
+`QwenImagePipeline._get_qwen_prompt_embeds`) before padding; `save_frozen` writes tiny encoders
+where a later process can load them.
 
 `preprocess` encodes a captioned folder (captions.jsonl or metadata.csv) into safetensors shards,
 resumably; `LatentDataset` reads them. `write_demo_videos` writes a small captioned demo set of
@@ -22,8 +24,13 @@ from loongforge.diffusion.data.buckets import Bucket, check_bucket, choose_bucke
 from loongforge.diffusion.data.demo_media import demo_entries, shape_centre, write_demo_videos
 from loongforge.diffusion.data.encoders import (
     DEFAULT_MAX_LENGTH,
+    FAMILIES,
+    TINY_QWEN_TEXT_CONFIG,
+    TINY_QWEN_VAE_CONFIG,
     TINY_TEXT_CONFIG,
     TINY_VAE_CONFIG,
+    check_family,
+    check_text_encoder,
     clean_caption,
     decode_latents,
     encode_text,
@@ -31,6 +38,7 @@ from loongforge.diffusion.data.encoders import (
     load_text_encoder,
     load_vae,
     save_frozen,
+    text_dim,
     vae_latent_stats,
 )
 from loongforge.diffusion.data.media import BadMedia, decode_frames, read_image, read_video, resize_crop
@@ -40,11 +48,16 @@ __all__ = [
     "BadMedia",
     "Bucket",
     "DEFAULT_MAX_LENGTH",
+    "FAMILIES",
     "FORMAT",
     "LatentDataset",
+    "TINY_QWEN_TEXT_CONFIG",
+    "TINY_QWEN_VAE_CONFIG",
     "TINY_TEXT_CONFIG",
     "TINY_VAE_CONFIG",
     "check_bucket",
+    "check_family",
+    "check_text_encoder",
     "choose_bucket",
     "clean_caption",
     "decode_frames",
@@ -63,6 +76,7 @@ __all__ = [
     "resize_crop",
     "save_frozen",
     "shape_centre",
+    "text_dim",
     "vae_latent_stats",
     "write_demo_videos",
 ]

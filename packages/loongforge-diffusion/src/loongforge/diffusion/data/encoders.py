@@ -1,6 +1,9 @@
-"""The frozen encoders of Wan2.1 text-to-video training: the video VAE (diffusers'
-`AutoencoderKLWan`) and the UMT5 text encoder (transformers' `UMT5EncoderModel`), loaded from a
-directory or built tiny and random for demos and tests.
+"""The frozen encoders of a family's training, loaded from a directory or built tiny and random for
+demos and tests:
+- "wan" (Wan2.1 / 2.2 text-to-video, the default everywhere): the video VAE (diffusers'
+  `AutoencoderKLWan`) and the UMT5 text encoder (transformers' `UMT5EncoderModel`);
+- "qwen_image" (Qwen-Image text-to-image): diffusers' `AutoencoderKLQwenImage` (images are
+  one-frame videos) and transformers' `Qwen2_5_VLForConditionalGeneration` as text encoder.
 
 A spec is a directory or "tiny":
 - VAE: a directory holding `AutoencoderKLWan.save_pretrained` output (config.json and weights), or
@@ -13,6 +16,14 @@ A spec is a directory or "tiny":
   directory with them in `text_encoder/` and `tokenizer/`. "tiny" is a UMT5EncoderModel of
   d_model 32, 2 layers, 4 heads, d_kv 8, d_ff 64 over the shipped tiny tokenizer of
   loongforge-core (`load_tokenizer("tiny")`).
+- Qwen-Image: a directory's classes come from its config.json (the VAE's `_class_name`
+  "AutoencoderKLQwenImage"; the text encoder's `architectures` / `model_type`
+  "Qwen2_5_VLForConditionalGeneration" / "qwen2_5_vl"), so `family` only matters for "tiny" and
+  for `encode_text`; anything else loads as the Wan class, as before. "tiny" with
+  family="qwen_image" is TINY_QWEN_VAE_CONFIG (the Wan tiny VAE's sizes: a 1 x 32 x 32 image
+  becomes latents [4, 1, 4, 4]) and a Qwen2_5_VLForConditionalGeneration of TINY_QWEN_TEXT_CONFIG
+  (text hidden size 24, 2 layers, 2 heads, 1 KV head, head_dim 12, mrope_section [2, 2, 2]; a one-
+  block vision tower of width 16) over the same shipped tiny tokenizer (vocabulary size from it).
 Tiny weights come from `torch.manual_seed(0)` (inside `torch.random.fork_rng`, so the caller's
 RNG is untouched): two calls give identical models. Every model is returned in eval mode with
 requires_grad False.
@@ -27,6 +38,19 @@ latents, "argmax"): deterministic, no sampling noise.
 the same prompt cleaning (diffusers' `prompt_clean`), the same tokenizer call (padding to
 `max_length`, truncation, special tokens, attention mask), the encoder run on ids and mask, each
 row cut to its number of real tokens.
+
+Qwen-Image (diffusers' `QwenImagePipeline` and its img2img / edit variants) normalizes latents the
+same way: `_encode_vae_image` computes `(z - latents_mean) * (1 / latents_std)` (the edit
+pipelines take `latent_dist.mode()`, "argmax", as `encode_video` does), and `__call__` decodes
+`z / (1 / latents_std) + latents_mean` with `vae.decode(...)[0][:, :, 0]` (one frame). So
+`encode_video` / `decode_latents` serve both VAEs unchanged. Its text states
+(`QwenImagePipeline._get_qwen_prompt_embeds`): each caption formatted into the chat template
+QWEN_PROMPT_TEMPLATE (no prompt cleaning), tokenized as a batch (`padding=True`, `truncation=True`,
+`max_length` 1024 + 34), the encoder's last hidden state (`output_hidden_states=True`,
+`hidden_states[-1]`), each row's real tokens (by the attention mask) less the first 34 (the
+template's system part, `prompt_template_encode_start_idx`); `encode_prompt` then keeps the first
+`max_sequence_length` of them (512 in `__call__`): `encode_text(..., family="qwen_image")` returns
+exactly these rows, before the pipeline pads them into a batch.
 """
 
 from __future__ import annotations
@@ -50,6 +74,48 @@ TINY_VAE_CONFIG = {
 TINY_TEXT_CONFIG = {"d_model": 32, "num_layers": 2, "num_heads": 4, "d_kv": 8, "d_ff": 64}
 DEFAULT_MAX_LENGTH = 512  # Wan2.1's text length (WanPipeline.__call__'s max_sequence_length)
 
+FAMILIES = ("wan", "qwen_image")
+QWEN_VAE_CLASS = "AutoencoderKLQwenImage"
+QWEN_TEXT_CLASS = "Qwen2_5_VLForConditionalGeneration"
+QWEN_TEXT_MODEL_TYPE = "qwen2_5_vl"
+TINY_QWEN_VAE_CONFIG = {
+    "base_dim": 8,
+    "z_dim": 4,
+    "dim_mult": [1, 1, 1, 1],
+    "num_res_blocks": 1,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "latents_mean": [0.0, 0.0, 0.0, 0.0],
+    "latents_std": [1.0, 1.0, 1.0, 1.0],
+}
+# Qwen2_5_VLConfig's text_config (vocab_size and the special token ids come from the tokenizer) and
+# vision_config: head_dim = 24 / 2 = 12, so mrope_section sums to 6.
+TINY_QWEN_TEXT_CONFIG = {
+    "hidden_size": 24,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 2048,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]},
+}
+TINY_QWEN_VISION_CONFIG = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "out_hidden_size": 24,
+    "fullatt_block_indexes": [0],
+}
+# QwenImagePipeline.__init__'s prompt_template_encode / prompt_template_encode_start_idx /
+# tokenizer_max_length, and check_inputs' limit on max_sequence_length
+QWEN_PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+QWEN_PROMPT_DROP = 34
+QWEN_TOKENIZER_MAX_LENGTH = 1024
+
 
 def spec_key(spec) -> str:
     """How a spec is recorded: "tiny", or the directory's absolute path."""
@@ -65,6 +131,24 @@ def _frozen(model):
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def check_family(family: str) -> str:
+    """`family` if it is one of FAMILIES, else a UserError."""
+    if family not in FAMILIES:
+        raise UserError(f"family {family!r}: expected one of {', '.join(FAMILIES)}")
+    return family
+
+
+def _read_config(path: Path) -> dict:
+    """A config.json as a dict; {} when it is unreadable (the loader then reports the error)."""
+    import json
+
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _transformers_dtype_kwarg(dtype) -> dict:
@@ -86,24 +170,31 @@ def vae_dir(spec) -> tuple[Path, str | None]:
     if (p / "config.json").is_file():
         return p, None
     raise UserError(
-        f"VAE not found: {spec} (need an AutoencoderKLWan directory with config.json, a diffusers pipeline directory with vae/, or 'tiny')"
+        f"VAE not found: {spec} (need an AutoencoderKLWan or AutoencoderKLQwenImage directory with config.json, a diffusers pipeline "
+        "directory with vae/, or 'tiny')"
     )
 
 
-def load_vae(spec: str, dtype=torch.float32):
-    """The frozen `AutoencoderKLWan` of `spec` (see the module docstring) in `dtype`, on the CPU."""
-    from diffusers import AutoencoderKLWan
+def load_vae(spec: str, dtype=torch.float32, family: str = "wan"):
+    """The frozen VAE of `spec` (see the module docstring) in `dtype`, on the CPU: an
+    `AutoencoderKLWan`, or an `AutoencoderKLQwenImage` for a directory whose config names that
+    class or for "tiny" with family="qwen_image"."""
+    from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 
+    check_family(family)
     if str(spec) == TINY:
+        cls, config = (AutoencoderKLQwenImage, TINY_QWEN_VAE_CONFIG) if family == "qwen_image" else (AutoencoderKLWan, TINY_VAE_CONFIG)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            vae = AutoencoderKLWan(**TINY_VAE_CONFIG)
+            vae = cls(**config)
         if dtype != vae.dtype:
             vae = vae.to(dtype)
         return _frozen(vae)
     path, subfolder = vae_dir(spec)
+    config = _read_config(path / (subfolder or "") / "config.json")
+    cls = AutoencoderKLQwenImage if config.get("_class_name") == QWEN_VAE_CLASS else AutoencoderKLWan
     try:
-        vae = AutoencoderKLWan.from_pretrained(str(path), subfolder=subfolder, torch_dtype=dtype)
+        vae = cls.from_pretrained(str(path), subfolder=subfolder, torch_dtype=dtype)
     except Exception as e:  # diffusers raises many types for unreadable or mismatched files
         raise UserError(f"cannot load the VAE from {path / (subfolder or '')}: {_first_line(e)}") from None
     return _frozen(vae)
@@ -133,7 +224,8 @@ def _device(module) -> torch.device:
 def encode_video(vae, video: torch.Tensor) -> torch.Tensor:
     """Normalized latents [C, F', H', W'] (F' = (F - 1) / 4 + 1, H' = H / 8, W' = W / 8) of one
     video [3, F, H, W] in [-1, 1]: the posterior's mean (`latent_dist.mode()`, no sampling), then
-    `(z - latents_mean) * (1 / latents_std)` as the Wan pipelines compute it, in the VAE's dtype."""
+    `(z - latents_mean) * (1 / latents_std)` as the Wan pipelines compute it (and the Qwen-Image
+    ones, `_encode_vae_image`: an image is a video of F = 1), in the VAE's dtype."""
     if video.ndim != 4 or video.shape[0] != 3:
         raise ValueError(f"video must be [3, F, H, W], got {tuple(video.shape)}")
     x = video.unsqueeze(0).to(_device(vae), vae.dtype)
@@ -148,7 +240,8 @@ def encode_video(vae, video: torch.Tensor) -> torch.Tensor:
 
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """The video [3, F, H, W] in [-1, 1] of normalized latents [C, F', H', W']: `z / (1 /
-    latents_std) + latents_mean` as `WanPipeline.__call__` computes it, then `vae.decode`."""
+    latents_std) + latents_mean` as `WanPipeline.__call__` (and `QwenImagePipeline.__call__`, F' =
+    1) computes it, then `vae.decode`."""
     if latents.ndim != 4:
         raise ValueError(f"latents must be [C, F, H, W], got {tuple(latents.shape)}")
     z = latents.unsqueeze(0).to(_device(vae), vae.dtype)
@@ -173,19 +266,47 @@ def text_encoder_dirs(spec) -> tuple[Path, Path]:
     if (p / "config.json").is_file():
         return p, p
     raise UserError(
-        f"text encoder not found: {spec} (need a UMT5EncoderModel directory with its tokenizer, a diffusers pipeline "
-        "directory with text_encoder/ and tokenizer/, or 'tiny')"
+        f"text encoder not found: {spec} (need a UMT5EncoderModel or Qwen2_5_VLForConditionalGeneration directory with its "
+        "tokenizer, a diffusers pipeline directory with text_encoder/ and tokenizer/, or 'tiny')"
     )
 
 
-def load_text_encoder(spec: str, dtype=torch.float32):
-    """(tokenizer, frozen UMT5EncoderModel in `dtype` on the CPU) of `spec` (see the module docstring)."""
+def is_qwen_text_config(config: dict) -> bool:
+    """Whether a text encoder's config.json (as a dict) is a Qwen2.5-VL model's."""
+    return QWEN_TEXT_CLASS in (config.get("architectures") or []) or config.get("model_type") == QWEN_TEXT_MODEL_TYPE
+
+
+def _tiny_qwen_text_encoder(tokenizer):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else pad
+    text = dict(TINY_QWEN_TEXT_CONFIG, rope_parameters=dict(TINY_QWEN_TEXT_CONFIG["rope_parameters"]))
+    config = Qwen2_5_VLConfig(
+        text_config=dict(text, vocab_size=len(tokenizer), pad_token_id=pad, bos_token_id=None, eos_token_id=eos),
+        vision_config=dict(TINY_QWEN_VISION_CONFIG),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def load_text_encoder(spec: str, dtype=torch.float32, family: str = "wan"):
+    """(tokenizer, frozen text encoder in `dtype` on the CPU) of `spec` (see the module docstring):
+    a UMT5EncoderModel, or a Qwen2_5_VLForConditionalGeneration for a directory whose config.json
+    names it (`architectures` / `model_type`) or for "tiny" with family="qwen_image"."""
     from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
+    check_family(family)
     if str(spec) == TINY:
         from loongforge.core.data.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(TINY)
+        if family == "qwen_image":
+            encoder = _tiny_qwen_text_encoder(tokenizer)
+            if dtype != encoder.dtype:
+                encoder = encoder.to(dtype)
+            return tokenizer, _frozen(encoder)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         config = UMT5Config(
             vocab_size=len(tokenizer),
@@ -205,11 +326,37 @@ def load_text_encoder(spec: str, dtype=torch.float32):
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     except Exception as e:  # transformers raises many types for unreadable tokenizer files
         raise UserError(f"cannot load the tokenizer from {tok_dir}: {_first_line(e)}") from None
+    if is_qwen_text_config(_read_config(enc_dir / "config.json")):
+        from transformers import Qwen2_5_VLForConditionalGeneration as cls
+    else:
+        cls = UMT5EncoderModel
     try:
-        encoder = UMT5EncoderModel.from_pretrained(str(enc_dir), **_transformers_dtype_kwarg(dtype))
+        encoder = cls.from_pretrained(str(enc_dir), **_transformers_dtype_kwarg(dtype))
     except Exception as e:
-        raise UserError(f"cannot load the text encoder (UMT5EncoderModel) from {enc_dir}: {_first_line(e)}") from None
+        raise UserError(f"cannot load the text encoder ({cls.__name__}) from {enc_dir}: {_first_line(e)}") from None
     return tokenizer, _frozen(encoder)
+
+
+def _is_qwen_text_encoder(encoder) -> bool:
+    return getattr(encoder.config, "model_type", None) == QWEN_TEXT_MODEL_TYPE
+
+
+def check_text_encoder(encoder, family: str = "wan"):
+    """`encoder` if it is the text encoder of `family` (Qwen-Image: a Qwen2.5-VL model; Wan:
+    anything else, a UMT5 encoder), else a UserError naming both."""
+    check_family(family)
+    if _is_qwen_text_encoder(encoder) != (family == "qwen_image"):
+        want = QWEN_TEXT_CLASS if family == "qwen_image" else "UMT5EncoderModel"
+        raise UserError(f"the text encoder is a {type(encoder).__name__}; family {family!r} needs a {want}")
+    return encoder
+
+
+def text_dim(encoder) -> int:
+    """The width of the text states `encode_text` returns: UMT5's d_model, Qwen2.5-VL's text
+    hidden size."""
+    if _is_qwen_text_encoder(encoder):
+        return int(encoder.config.text_config.hidden_size)
+    return int(encoder.config.d_model)
 
 
 def clean_caption(caption: str) -> str:
@@ -219,9 +366,15 @@ def clean_caption(caption: str) -> str:
     return prompt_clean(caption)
 
 
-def encode_text(tokenizer, encoder, captions: list[str], max_length: int = DEFAULT_MAX_LENGTH) -> list[torch.Tensor]:
+def encode_text(tokenizer, encoder, captions: list[str], max_length: int = DEFAULT_MAX_LENGTH, family: str = "wan") -> list[torch.Tensor]:
     """Each caption's text embeddings [L_i, D] in the encoder's dtype, L_i its number of real
-    tokens (at most `max_length`): `WanPipeline._get_t5_prompt_embeds` before it pads."""
+    tokens (at most `max_length`): `WanPipeline._get_t5_prompt_embeds` before it pads; for
+    family="qwen_image" `QwenImagePipeline._get_qwen_prompt_embeds` before it pads, cut to
+    `max_length` as `encode_prompt(max_sequence_length=max_length)` does (see the module
+    docstring; the captions are encoded as one batch, as the pipeline does)."""
+    check_text_encoder(encoder, family)
+    if family == "qwen_image":
+        return _encode_text_qwen(tokenizer, encoder, captions, max_length)
     prompts = [clean_caption(c) for c in captions]
     inputs = tokenizer(
         prompts,
@@ -241,31 +394,47 @@ def encode_text(tokenizer, encoder, captions: list[str], max_length: int = DEFAU
     return [u[:v].clone() for u, v in zip(embeds, seq_lens)]
 
 
+def _encode_text_qwen(tokenizer, encoder, captions: list[str], max_length: int) -> list[torch.Tensor]:
+    if not 1 <= max_length <= QWEN_TOKENIZER_MAX_LENGTH:
+        raise UserError(f"max_length={max_length}: Qwen-Image takes 1 to {QWEN_TOKENIZER_MAX_LENGTH} text tokens")
+    texts = [QWEN_PROMPT_TEMPLATE.format(c) for c in captions]
+    tokens = tokenizer(texts, max_length=QWEN_TOKENIZER_MAX_LENGTH + QWEN_PROMPT_DROP, padding=True, truncation=True, return_tensors="pt")
+    device = _device(encoder)
+    ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
+    with torch.no_grad():
+        hidden = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    keep = mask.bool()
+    rows = torch.split(hidden[keep], keep.sum(dim=1).tolist(), dim=0)
+    return [u[QWEN_PROMPT_DROP:][:max_length].to(dtype=encoder.dtype).clone() for u in rows]
+
+
 # ---- for a later process -------------------------------------------------------------------------
 
 
-def save_frozen(vae_spec: str, text_spec: str, out_dir) -> dict[str, str]:
+def save_frozen(vae_spec: str, text_spec: str, out_dir, family: str = "wan") -> dict[str, str]:
     """What a later process (generation) loads: {"vae": spec, "text_encoder": spec}. A directory
     spec is recorded as its absolute path; a "tiny" one is written first, the VAE to
     `out_dir/vae` (`save_pretrained`), the text encoder and its tokenizer to `out_dir/text_encoder`
     and `out_dir/tokenizer`, and recorded as `out_dir/vae` and `out_dir` (a diffusers-pipeline-like
     directory that `load_vae` / `load_text_encoder` read). Each is written to a temporary sibling
-    and renamed into place once complete."""
+    and renamed into place once complete. `family` picks the tiny models; the directories name
+    their classes in their configs, so later loads need no family."""
     from loongforge.core.outputs import replaced_dir
 
+    check_family(family)
     out = Path(out_dir)
     result = {}
     if str(vae_spec) == TINY:
         out.mkdir(parents=True, exist_ok=True)
         with replaced_dir(out / "vae") as tmp:
-            load_vae(TINY).save_pretrained(str(tmp))
+            load_vae(TINY, family=family).save_pretrained(str(tmp))
         result["vae"] = str((out / "vae").resolve())
     else:
         vae_dir(vae_spec)
         result["vae"] = spec_key(vae_spec)
     if str(text_spec) == TINY:
         out.mkdir(parents=True, exist_ok=True)
-        tokenizer, encoder = load_text_encoder(TINY)
+        tokenizer, encoder = load_text_encoder(TINY, family=family)
         with replaced_dir(out / "text_encoder") as tmp:
             encoder.save_pretrained(str(tmp))
         with replaced_dir(out / "tokenizer") as tmp:

@@ -16,24 +16,35 @@ among those of one frame), cut to the bucket's frames, resized and centre-croppe
 encoder (`encoders.encode_text`, one caption at a time, so a sample's embedding never depends on
 its neighbours).
 
+`family` picks the frozen encoders' family ("wan", the default, or "qwen_image": see
+`encoders`): the tiny models of "tiny" specs, and how captions become text states. Qwen-Image
+trains on images: every bucket must have 1 frame (sides divisible by 16, as for every bucket: the
+8x VAE, then 2 x 2 packing), another is refused with a UserError naming it; videos are then read as
+their first frame (the rule above: with no bucket of more than one frame, a video chooses among all
+buckets, so it is cut to 1 frame).
+
 Bad samples are counted by reason and skipped (`on_bad_sample="skip"`), or raise a UserError
 naming the file and the reason (`"error"`): "missing" (no such file), "corrupt" (does not decode),
 "too_short" (fewer frames than every bucket it could use), "empty_caption" (nothing left after
-Wan's prompt cleaning), "unsupported" (an extension that is neither a video nor an image).
+Wan's prompt cleaning, for either family), "unsupported" (an extension that is neither a video nor an image).
 
 Output layout:
 
     out/meta.json               {"format": "loongforge-diffusion-latents", "version": 1, "vae",
                                  "text_encoder", "latent_channels", "text_dim", "buckets",
                                  "source", "fps", "samples", "shards": [{"name", "samples"}],
-                                 "bad": {reason: count}}; written last: its presence marks a
-                                 complete output
+                                 "bad": {reason: count}, and "family" unless it is "wan"};
+                                 written last: its presence marks a complete output
     out/shards/00000.safetensors  tensors latents.{j} [C, F', H', W'] and text.{j} [L, D] for
                                   each sample j (0, 1, ... within the shard), in the encoders' dtype
     out/shards/00000.json         {"samples": [{"caption", "source", "entry", "bucket",
                                   "latent_shape", "text_length"}, ...]}
     out/progress.json           {"settings", "entries_done", "shards", "samples", "bad",
                                  "complete"}
+
+"family" is recorded (in meta.json and in the settings a resumed run must match) only when it is
+not "wan", so Wan outputs are byte-identical to those written before families existed and resume
+as before; a reader takes a missing "family" as "wan" (`LatentDataset.family`).
 
 Every file is written to a temporary name and renamed into place (`<name>.tmp-<pid>`), a shard
 before the progress that counts it. An interrupted run, started again with the same source and
@@ -59,12 +70,15 @@ from loongforge.core.errors import UserError
 from loongforge.diffusion.data.buckets import Bucket, choose_bucket, parse_buckets
 from loongforge.diffusion.data.encoders import (
     DEFAULT_MAX_LENGTH,
+    check_family,
+    check_text_encoder,
     clean_caption,
     encode_text,
     encode_video,
     load_text_encoder,
     load_vae,
     spec_key,
+    text_dim,
 )
 from loongforge.diffusion.data.media import BadMedia, decode_frames, read_image, resize_crop
 
@@ -236,8 +250,8 @@ def _load(entry: Entry, source: Path, video_buckets: list[Bucket], image_buckets
     return resize_crop(frames, bucket.height, bucket.width), bucket
 
 
-def _settings(source: Path, list_file: Path, vae_spec, text_spec, buckets, fps, shard_size, dtype, max_length) -> dict:
-    return {
+def _settings(source: Path, list_file: Path, vae_spec, text_spec, buckets, fps, shard_size, dtype, max_length, family) -> dict:
+    settings = {
         "format": FORMAT,
         "version": VERSION,
         "source": str(source.resolve()),
@@ -251,6 +265,18 @@ def _settings(source: Path, list_file: Path, vae_spec, text_spec, buckets, fps, 
         "dtype": str(dtype).removeprefix("torch."),
         "max_length": int(max_length),
     }
+    if family != "wan":  # Wan outputs stay as they were before families (see the module docstring)
+        settings["family"] = family
+    return settings
+
+
+def check_family_buckets(buckets: list[Bucket], family: str) -> None:
+    """A UserError naming the first bucket `family` cannot train on: Qwen-Image takes images (1
+    frame; `parse_buckets` already checked sides divisible by 16)."""
+    if family == "qwen_image":
+        for b in buckets:
+            if b.frames != 1:
+                raise UserError(f"bucket {str(b)!r}: Qwen-Image trains on images, every bucket needs 1 frame (e.g. {b.height}x{b.width}x1)")
 
 
 def preprocess(
@@ -266,10 +292,11 @@ def preprocess(
     dtype=torch.float32,
     progress: bool = True,
     max_length: int = DEFAULT_MAX_LENGTH,
+    family: str = "wan",
 ) -> dict:
     """Encode `source` into `out` (see the module docstring). Returns a summary: {"out",
     "entries", "samples", "shards", "bad": {reason: count}}. `buckets`: Bucket objects or
-    "HxWxF" strings."""
+    "HxWxF" strings; `family`: "wan" or "qwen_image"."""
     from tqdm import tqdm
 
     if on_bad_sample not in ("skip", "error"):
@@ -278,7 +305,9 @@ def preprocess(
         raise UserError(f"shard_size must be a positive int, got {shard_size!r}")
     if fps is not None and not fps > 0:
         raise UserError(f"fps must be positive (or None: every frame), got {fps!r}")
+    check_family(family)
     buckets = parse_buckets(buckets)
+    check_family_buckets(buckets, family)
     source, out = Path(source), Path(out)
     list_file = source_file(source)
     entries = read_source(source)
@@ -288,12 +317,13 @@ def preprocess(
     if not image_buckets and any(e.kind == "image" for e in entries):
         first = next(e for e in entries if e.kind == "image")
         raise UserError(f"{list_file}:{first.line}: {first.path} is an image, and no bucket has 1 frame (add one, e.g. 480x832x1)")
-    settings = _settings(source, list_file, vae_spec, text_spec, buckets, fps, shard_size, dtype, max_length)
+    settings = _settings(source, list_file, vae_spec, text_spec, buckets, fps, shard_size, dtype, max_length, family)
     state = _existing_state(out, settings)
     if state is not None and state["complete"]:
         return _summary(out, state, len(entries))
-    vae = load_vae(vae_spec, dtype)  # before anything is written: a bad spec leaves `out` as it was
-    tokenizer, encoder = load_text_encoder(text_spec, dtype)
+    vae = load_vae(vae_spec, dtype, family=family)  # before anything is written: a bad spec leaves `out` as it was
+    tokenizer, encoder = load_text_encoder(text_spec, dtype, family=family)
+    check_text_encoder(encoder, family)
     state = _begin(out, settings, state)
     bad: dict[str, int] = dict(state["bad"])
     shards: list[dict] = list(state["shards"])
@@ -319,7 +349,7 @@ def preprocess(
                 if not clean_caption(entry.caption):
                     raise _Bad("empty_caption", f"{entry.path}: empty caption ({list_file.name} line {entry.line})")
                 video, bucket = _load(entry, source, video_buckets, image_buckets, fps)
-                text = encode_text(tokenizer, encoder, [entry.caption], max_length)[0]
+                text = encode_text(tokenizer, encoder, [entry.caption], max_length, family=family)[0]
                 if len(text) == 0:
                     raise _Bad("empty_caption", f"{entry.path}: the caption has no tokens ({list_file.name} line {entry.line})")
                 latents = encode_video(vae, video.to(dtype))
@@ -351,7 +381,7 @@ def preprocess(
         "vae": settings["vae"],
         "text_encoder": settings["text_encoder"],
         "latent_channels": int(vae.config.z_dim),
-        "text_dim": int(encoder.config.d_model),
+        "text_dim": text_dim(encoder),
         "buckets": settings["buckets"],
         "source": str(source),
         "fps": settings["fps"],
@@ -361,6 +391,8 @@ def preprocess(
         "shards": shards,
         "bad": dict(sorted(bad.items())),
     }
+    if "family" in settings:
+        meta["family"] = settings["family"]
     _write_json(out / "meta.json", meta)
     state["complete"] = True
     _write_json(out / "progress.json", state)
@@ -411,6 +443,7 @@ class LatentDataset:
     def __init__(self, out: Path):
         self.root = Path(out)
         self.meta = read_meta(self.root)
+        self.family: str = self.meta.get("family", "wan")  # Wan outputs record none
         self._index: list[tuple[str, int]] = []
         self._info: list[dict] = []
         for shard in self.meta["shards"]:

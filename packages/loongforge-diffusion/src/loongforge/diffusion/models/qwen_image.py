@@ -264,6 +264,20 @@ class QwenImageDiT(nn.Module):
         return self.proj_out(img)
 
 
+def pack_latents(latents: torch.Tensor, p: int) -> torch.Tensor:
+    """Image latents [channels, 1, h, w] -> patch rows [h / p * w / p, channels * p * p], each row
+    (channel, row in the patch, column in the patch): QwenImagePipeline's `_pack_latents`."""
+    c, f, h, w = latents.shape
+    if f != 1 or h % p or w % p:
+        raise ValueError(f"latents {tuple(latents.shape)}: one frame with sides divisible by {p}")
+    return latents.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4).reshape((h // p) * (w // p), c * p * p)
+
+
+def unpack_latents(rows: torch.Tensor, h: int, w: int, p: int) -> torch.Tensor:
+    """The inverse of `pack_latents` for latents of sides h x w: [channels, 1, h, w]."""
+    return rows.reshape(h // p, w // p, -1, p, p).permute(2, 0, 3, 1, 4).reshape(-1, 1, h, w)
+
+
 def predict(model: QwenImageDiT, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes) -> torch.Tensor:
     """diffusers' call: packed latents [batch, tokens, in_channels], text states [batch, L, D] with
     their mask [batch, L] (None: all real), times [batch] in [0, 1], img_shapes (per sample a list
