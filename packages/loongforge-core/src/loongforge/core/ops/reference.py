@@ -249,14 +249,17 @@ def varlen_attention(
     sample (a hint for kernels that size their grid by it). Returns [total, heads, v_head_dim].
     The reference runs SDPA per sample (exact; faster kernels take the whole pack at once).
     """
-    out = q.new_empty(*q.shape[:2], v.shape[-1])
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            seg = attention(
-                q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None], True, scale
-            )
-            out[start:end] = seg[0].transpose(0, 1)
+    return _per_sample(q, k, v, bounds, bounds, True, scale)
+
+
+def _per_sample(q, k, v, bq: list, bk: list, causal: bool, scale) -> torch.Tensor:
+    """SDPA of each packed sample's queries q[bq[i]:bq[i+1]] on its keys k[bk[i]:bk[i+1]]."""
+    out = q.new_empty(*q.shape[:2], v.shape[-1])
+    for (qs, qe), (ks, ke) in zip(zip(bq[:-1], bq[1:]), zip(bk[:-1], bk[1:])):
+        if qe > qs:
+            seg = attention(q[qs:qe].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None], v[ks:ke].transpose(0, 1)[None], causal, scale)
+            out[qs:qe] = seg[0].transpose(0, 1)
     return out
 
 
@@ -322,10 +325,4 @@ def packed_attention(
         raise ValueError(f"packed_attention: {cu_seqlens_q.shape[0] - 1} query samples but {cu_seqlens_k.shape[0] - 1} key samples")
     if cu_seqlens_q.shape[0] == 2:  # one sample: the whole rows (read without a device sync)
         return attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], False, scale)[0].transpose(0, 1)
-    out = q.new_empty(*q.shape[:2], v.shape[-1])
-    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for (qs, qe), (ks, ke) in zip(zip(bq[:-1], bq[1:]), zip(bk[:-1], bk[1:])):
-        if qe > qs:
-            seg = attention(q[qs:qe].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None], v[ks:ke].transpose(0, 1)[None], False, scale)
-            out[qs:qe] = seg[0].transpose(0, 1)
-    return out
+    return _per_sample(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), False, scale)

@@ -78,16 +78,7 @@ FAMILIES = ("wan", "qwen_image")
 QWEN_VAE_CLASS = "AutoencoderKLQwenImage"
 QWEN_TEXT_CLASS = "Qwen2_5_VLForConditionalGeneration"
 QWEN_TEXT_MODEL_TYPE = "qwen2_5_vl"
-TINY_QWEN_VAE_CONFIG = {
-    "base_dim": 8,
-    "z_dim": 4,
-    "dim_mult": [1, 1, 1, 1],
-    "num_res_blocks": 1,
-    "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "latents_mean": [0.0, 0.0, 0.0, 0.0],
-    "latents_std": [1.0, 1.0, 1.0, 1.0],
-}
+TINY_QWEN_VAE_CONFIG = TINY_VAE_CONFIG  # AutoencoderKLQwenImage takes the same arguments
 # Qwen2_5_VLConfig's text_config (vocab_size and the special token ids come from the tokenizer) and
 # vision_config: head_dim = 24 / 2 = 12, so mrope_section sums to 6.
 TINY_QWEN_TEXT_CONFIG = {

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import Row
 from loongforge.core.ops import OpTable
-from loongforge.diffusion.models.wan import MLP2, RMSWeight, timestep_features
+from loongforge.diffusion.models.wan import MLP2, RMSWeight, diffusers_fields, timestep_features
 from torch import nn
 
 UNSUPPORTED = ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
@@ -67,16 +67,8 @@ class QwenImageConfig:
 
     @classmethod
     def from_diffusers(cls, d: dict) -> "QwenImageConfig":
-        if d.get("_class_name", "QwenImageTransformer2DModel") != "QwenImageTransformer2DModel":
-            raise UserError(f"config.json is a {d['_class_name']}, not a QwenImageTransformer2DModel")
-        for key in UNSUPPORTED:
-            if d.get(key):
-                raise UserError(f"config.json: {key}={d[key]} is not implemented (Qwen-Image text-to-image configs only)")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if not k.startswith("_") and k not in known and k not in UNSUPPORTED)
-        if unknown:
-            raise UserError(f"config.json: field {unknown[0]!r} of QwenImageTransformer2DModel is not implemented here")
-        cfg = cls(**{k: v for k, v in d.items() if k in known})
+        refused = {k: "is not implemented (Qwen-Image text-to-image configs only)" for k in UNSUPPORTED}
+        cfg = cls(**diffusers_fields(cls, d, "QwenImageTransformer2DModel", refused))
         cfg.axes_dims_rope = list(cfg.axes_dims_rope)
         cfg.out_channels = cfg.out_channels or cfg.in_channels
         cfg.check()

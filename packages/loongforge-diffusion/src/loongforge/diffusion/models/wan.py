@@ -100,19 +100,28 @@ class WanConfig:
     @classmethod
     def from_diffusers(cls, d: dict) -> "WanConfig":
         """From a diffusers config.json; a field this model does not implement is refused by name."""
-        if d.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
-            raise UserError(f"config.json is a {d['_class_name']}, not a WanTransformer3DModel")
-        if d.get("pos_embed_seq_len") is not None:
-            raise UserError(f"config.json: pos_embed_seq_len={d['pos_embed_seq_len']} (Wan first-last-frame-to-video) is not implemented")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if not k.startswith("_") and k not in known and k != "pos_embed_seq_len")
-        if unknown:
-            raise UserError(f"config.json: field {unknown[0]!r} of WanTransformer3DModel is not implemented here")
-        cfg = cls(**{k: v for k, v in d.items() if k in known})
+        refused = {"pos_embed_seq_len": "(Wan first-last-frame-to-video) is not implemented"}
+        cfg = cls(**diffusers_fields(cls, d, "WanTransformer3DModel", refused))
         cfg.patch_size = list(cfg.patch_size)
         cfg.out_channels = cfg.out_channels or cfg.in_channels
         cfg.check()
         return cfg
+
+
+def diffusers_fields(cls, d: dict, class_name: str, refused: dict[str, str]) -> dict:
+    """The fields of dataclass `cls` in diffusers config `d`, after checking that `d` is a
+    `class_name`, that no key of `refused` ({key: why}) is set (None or False), and that every
+    other field is one of `cls`'s: each refusal names the field."""
+    if d.get("_class_name", class_name) != class_name:
+        raise UserError(f"config.json is a {d['_class_name']}, not a {class_name}")
+    for key, why in refused.items():
+        if d.get(key) not in (None, False):
+            raise UserError(f"config.json: {key}={d[key]} {why}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(k for k in d if not k.startswith("_") and k not in known and k not in refused)
+    if unknown:
+        raise UserError(f"config.json: field {unknown[0]!r} of {class_name} is not implemented here")
+    return {k: v for k, v in d.items() if k in known}
 
 
 B = "blocks.{i}."
