@@ -54,7 +54,16 @@ QWEN_MOE_TABLE = (EMBEDDING_ROW, *ATTENTION_ROWS, *(dataclasses.replace(r, optio
 LLAMA = FamilySpec(
     "llama", "llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False, mapping=LLAMA_STYLE_TABLE, hf_extra_config=(("mlp_bias", False),)
 )
-QWEN2 = FamilySpec("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, mapping=LLAMA_STYLE_TABLE, hf_qkv_bias_key=None)
+QWEN2 = FamilySpec(
+    "qwen2",
+    "qwen2",
+    "Qwen2ForCausalLM",
+    qkv_bias=True,
+    qk_norm=False,
+    mapping=LLAMA_STYLE_TABLE,
+    hf_qkv_bias_key=None,
+    hf_model_type_aliases=("qwen2_5_vl_text",),  # Qwen2.5-VL's language model (its text_config): Qwen2 with M-RoPE
+)
 QWEN3 = FamilySpec("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, mapping=LLAMA_STYLE_TABLE)
 
 # HF config keys every strict family accepts without reading them: metadata and inference options

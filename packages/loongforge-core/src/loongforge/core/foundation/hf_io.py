@@ -30,6 +30,11 @@ def read_hf_config(hf_dir, families: dict[str, FamilySpec], section: str | None 
         if not isinstance(c.get(section), dict):
             raise UserError(f"{path}: no {section!r} section")
         c = c[section]
+    return model_config_from_hf(c, families, hf_dir)
+
+
+def model_config_from_hf(c: dict, families: dict[str, FamilySpec], hf_dir) -> tuple[FamilySpec, ModelConfig]:
+    """The family and model config of an HF config dict (`hf_dir` names it in errors)."""
     by_type = {t: f for f in families.values() for t in (f.hf_model_type, *f.hf_model_type_aliases)}
     mt = c.get("model_type")
     if mt not in by_type:
@@ -39,7 +44,9 @@ def read_hf_config(hf_dir, families: dict[str, FamilySpec], section: str | None 
     theta = c.get("rope_theta", rope.pop("rope_theta", 10000.0))
     rope.pop("rope_theta", None)
     partial = rope.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    mrope = rope.pop("mrope_section", None)
+    # (configs before transformers 5 call M-RoPE's plain rotary angles rope_type "mrope")
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope") else None
     heads = c["num_attention_heads"]
     check_hf_keys(c, fam, hf_dir)
     fields = dict(
@@ -55,6 +62,7 @@ def read_hf_config(hf_dir, families: dict[str, FamilySpec], section: str | None 
         rope_theta=float(theta),
         rope_scaling=scaling,
         rotary_percent=float(partial),
+        mrope_section=list(mrope) if mrope else None,
         norm_eps=c.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=bool(c.get(fam.hf_qkv_bias_key, fam.qkv_bias)) if fam.hf_qkv_bias_key else fam.qkv_bias,
@@ -117,6 +125,8 @@ def hf_config_dict(fam: FamilySpec, cfg: ModelConfig, dtype: torch.dtype, extra:
     rope_params = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     if cfg.rotary_percent != 1.0:
         rope_params["partial_rotary_factor"] = cfg.rotary_percent
+    if cfg.mrope_section:
+        rope_params["mrope_section"] = list(cfg.mrope_section)
     d = {
         "architectures": [fam.hf_architecture],
         "model_type": fam.hf_model_type,
@@ -176,6 +186,11 @@ def _write_new_dir(out_dir, write) -> None:
 def save_hf(out_dir, fam: FamilySpec, cfg: ModelConfig, hf_state: dict, dtype=torch.float32, extra_config: dict | None = None) -> None:
     """Write config.json and safetensors shards (with an index when more than one) into a fresh
     directory; files land in a temporary sibling first, then the directory is renamed into place."""
+    save_hf_dir(out_dir, hf_config_dict(fam, cfg, dtype, extra_config), hf_state, dtype)
+
+
+def save_hf_dir(out_dir, config: dict, hf_state: dict, dtype=torch.float32) -> None:
+    """`save_hf` with the config.json contents given (composite models write their own)."""
     from safetensors.torch import save_file
 
     def write(tmp: Path):
@@ -198,7 +213,7 @@ def save_hf(out_dir, fam: FamilySpec, cfg: ModelConfig, hf_state: dict, dtype=to
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
             )
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(fam, cfg, dtype, extra_config), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
 
     _write_new_dir(out_dir, write)
 

@@ -55,8 +55,12 @@ class RotarySDPAttention(nn.Module):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         """megatron's core-attention call: q/k/v [seq, batch, heads, head_dim] ([tokens, heads,
-        head_dim] packed), rotated here, then `attend`."""
-        if self.inv_freq is not None:
+        head_dim] packed), rotated here (by the pack's own angle tables where it has them), then
+        `attend`."""
+        tables = rotary_tables(packed_seq_params)
+        if tables is not None:
+            query, key = (t[0] for t in self.ops.rotary(query[None], key[None], *tables, False))
+        elif self.inv_freq is not None:
             pos = self.positions(packed_seq_params, query.shape[0], query.device)
             if packed_seq_params is not None:
                 query, key = (t[0] for t in self.ops.rope(query[None], key[None], pos, self.inv_freq))
@@ -85,6 +89,32 @@ class RotarySDPAttention(nn.Module):
         out = self.ops.attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), causal=True, scale=self.softmax_scale)
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+@functools.cache
+def rotary_pack_class():
+    """megatron-core's PackedSeqParams with each token's rotary angles: `rotary_cos` / `rotary_sin`
+    [tokens, 1, rot / 2] (op `rotary`'s tables, half-split pairs). Models whose positions are not
+    0..n-1 in each sample (M-RoPE's three rows) build them once per forward; every attention layer
+    of the pack rotates by them instead of by its own positions.
+
+    A factory, so that importing this module does not import megatron-core."""
+    from dataclasses import dataclass
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    @dataclass
+    class RotaryPackedSeqParams(PackedSeqParams):
+        rotary_cos: Optional[torch.Tensor] = None
+        rotary_sin: Optional[torch.Tensor] = None
+
+    return RotaryPackedSeqParams
+
+
+def rotary_tables(packed_seq_params) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The pack's own rotary angle tables (cos, sin), or None."""
+    cos = getattr(packed_seq_params, "rotary_cos", None)
+    return None if cos is None else (cos, packed_seq_params.rotary_sin)
 
 
 def _cu_seqlens(params) -> torch.Tensor:
@@ -133,7 +163,14 @@ def fused_qkv_attention_class():
             packed_seq_params=None,
             **kwargs,
         ):
-            special = (key_value_states, inference_context, rotary_pos_emb, attention_bias, *kwargs.values())
+            special = (
+                key_value_states,
+                inference_context,
+                rotary_pos_emb,
+                attention_bias,
+                rotary_tables(packed_seq_params),
+                *kwargs.values(),
+            )
             if not self.fused or any(x is not None for x in special):
                 return super().forward(
                     hidden_states,

@@ -31,6 +31,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None  # HF-style dict, e.g. {"rope_type": "llama3", ...}
     rotary_percent: float = 1.0
+    # M-RoPE (Qwen2-VL / Qwen2.5-VL): rotary pairs per position row (time, height, width); the
+    # model hands each token's angle tables to the layers (foundation.layers.rotary_tables)
+    mrope_section: Optional[List[int]] = None
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: Optional[bool] = None  # None: the family's default

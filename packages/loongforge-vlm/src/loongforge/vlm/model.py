@@ -1,0 +1,330 @@
+"""A vision-language model composed of core parts: a vision tower whose patch merger projects to
+the language model's width (Qwen2.5-VL's ViT), and a decoder family of core's foundation (Qwen2,
+Llama, Qwen3) with M-RoPE positions. Samples run packed (THD): every sample's tokens in one row,
+each image's merged features in place of its `<|image_pad|>` tokens, and each token's M-RoPE
+angles handed to every attention layer with the pack (`foundation.layers.rotary_pack_class`).
+
+HF Qwen2.5-VL checkpoints (`Qwen2_5_VLForConditionalGeneration`) map by `vlm_table`: the vision
+table under `visual.` and the language family's own table (`model.layers...`, `lm_head`), the
+names published checkpoints and `save_pretrained` write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from loongforge.core.errors import UserError
+from loongforge.core.foundation import hf_io
+from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf, prefixed
+from loongforge.core.foundation.model import load_lf_state, local_state
+from loongforge.core.foundation.mrope import IMAGE, TEXT, VIDEO, mrope_positions, mrope_tables
+from loongforge.core.foundation.qwen2_5_vl_vision import QWEN25_VISION_TABLE, Qwen25VisionConfig, Qwen25VisionTower
+from loongforge.core.foundation.spec import FamilySpec, ModelConfig, build_gpt_model
+from loongforge.core.ops import OpTable
+from loongforge.core.ops.reference import rope_inv_freq
+from torch import nn
+
+HF_ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+HF_MODEL_TYPE = "qwen2_5_vl"
+
+
+@dataclass
+class VLMConfig:
+    """The composed model: vision tower, language model and the special token ids that join them."""
+
+    vision: Qwen25VisionConfig = field(default_factory=Qwen25VisionConfig)
+    language: ModelConfig = field(default_factory=lambda: ModelConfig(family="qwen2"))
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    tokens_per_second: int = 2  # video: M-RoPE time positions per second of video
+
+    # the mapping rows' placeholders and fused-q/k/v transforms read these
+    def repeats(self) -> dict[str, int]:
+        return {**self.language.repeats(), "v": self.vision.depth}
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.language.num_query_groups
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.language.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.language.kv_channels
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.language.tie_word_embeddings
+
+    def check(self) -> None:
+        """The parts against each other: one UserError naming the key."""
+        lang, vis = self.language, self.vision
+        if vis.out_hidden_size != lang.hidden_size:
+            raise UserError(
+                f"model.vision.out_hidden_size={vis.out_hidden_size} must equal model.language.hidden_size={lang.hidden_size} "
+                "(the patch merger projects into the language model)"
+            )
+        rot = int(lang.kv_channels * lang.rotary_percent) // 2
+        if lang.mrope_section is not None and sum(lang.mrope_section) != rot:
+            raise UserError(
+                f"model.language.mrope_section={list(lang.mrope_section)} must sum to the {rot} rotary pairs of a head "
+                f"(head_dim {lang.kv_channels} / 2)"
+            )
+        ids = {
+            "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id,
+        }
+        for k, v in ids.items():
+            if not 0 <= v < lang.vocab_size:
+                raise UserError(f"model.{k}={v} is outside the vocabulary (model.language.vocab_size={lang.vocab_size})")
+
+
+def vlm_table(family: FamilySpec) -> tuple:
+    """HF checkpoint names <-> ours: the tower under `visual.`/`vision.`, the family's rows under
+    `language.` (its HF names as they are)."""
+    return (*prefixed(QWEN25_VISION_TABLE, "vision.", "visual.", {"i": "v"}), *prefixed(family.mapping, "language."))
+
+
+class VisionLanguageModel(nn.Module):
+    """`model(tokens, positions, cu_seqlens, pixel_values=, image_grid_thw=, ...)` on one THD pack
+    (tokens [1, T], positions [3, T] M-RoPE rows restarting per sample, cu_seqlens [samples + 1]):
+    logits [1, T, vocab], or with `labels` / `loss_weights` [1, T] the weighted loss sum."""
+
+    def __init__(self, cfg: VLMConfig, family: FamilySpec, vision: nn.Module, language: nn.Module):
+        super().__init__()
+        self.cfg, self.family = cfg, family
+        self.vision, self.language = vision, language
+        lang = cfg.language
+        inv = rope_inv_freq(int(lang.kv_channels * lang.rotary_percent), lang.rope_theta, lang.rope_scaling)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.sections = list(lang.mrope_section) if lang.mrope_section else [inv.numel(), 0, 0]
+
+    @classmethod
+    def build(
+        cls, family: FamilySpec, cfg: VLMConfig, ctx, ops: OpTable | None = None, params_dtype=torch.float32, recompute=False, lora=None
+    ):
+        cfg = dataclasses.replace(cfg, language=family.resolve(cfg.language))
+        cfg.check()
+        ops = ops or OpTable()
+        language = build_gpt_model(cfg.language, ctx, ops, params_dtype, recompute, lora)
+        vision = Qwen25VisionTower(cfg.vision, ops).to(params_dtype) if ctx.is_first_stage else None
+        return cls(cfg, family, vision, language)
+
+    @property
+    def post_process(self) -> bool:
+        return self.language.post_process
+
+    def embed(self, tokens, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
+        """Token embeddings [T, 1, hidden] with the vision features in place of the pad tokens."""
+        x = self.language.embedding(input_ids=tokens, position_ids=None)
+        for pixels, grid, pad in (
+            (pixel_values, image_grid_thw, self.cfg.image_token_id),
+            (pixel_values_videos, video_grid_thw, self.cfg.video_token_id),
+        ):
+            mask = (tokens == pad).transpose(0, 1)[..., None]  # [T, 1, 1]
+            if pixels is None:
+                if bool(mask.any()):
+                    raise ValueError(f"the tokens hold {int(mask.sum())} pad tokens {pad} but no pixels for them")
+                continue
+            feats = self.vision(pixels, grid)
+            if feats.shape[0] != int(mask.sum()):
+                raise ValueError(f"{feats.shape[0]} vision features for {int(mask.sum())} pad tokens {pad}")
+            x = x.masked_scatter(mask, feats.to(x.dtype))
+        return x
+
+    def rotary_pack(self, positions: torch.Tensor, cu_seqlens: torch.Tensor):
+        from loongforge.core.foundation.layers import rotary_pack_class
+
+        cos, sin = mrope_tables(positions, self.inv_freq, self.sections)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        cu = cu_seqlens.to(torch.int32)
+        return rotary_pack_class()(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest, rotary_cos=cos, rotary_sin=sin
+        )
+
+    def forward(self, tokens, positions, cu_seqlens, labels=None, loss_weights=None, decoder_input=None, **vision_inputs):
+        packed = self.rotary_pack(positions, cu_seqlens)
+        if self.vision is not None and decoder_input is None:
+            decoder_input = self.embed(tokens, **vision_inputs)
+        return self.language(
+            tokens, None, None, decoder_input=decoder_input, labels=labels, loss_mask=loss_weights, packed_seq_params=packed
+        )
+
+    # ---- HF processor outputs in, logits out ------------------------------------------------
+
+    def token_types(self, ids: torch.Tensor) -> torch.Tensor:
+        """TEXT / IMAGE / VIDEO per token (HF processors' `mm_token_type_ids`)."""
+        types = torch.full_like(ids, TEXT)
+        types[ids == self.cfg.image_token_id] = IMAGE
+        types[ids == self.cfg.video_token_id] = VIDEO
+        return types
+
+    def token_positions(self, types: torch.Tensor, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None, start=(0, 0)):
+        """M-RoPE rows [3, T] of one sample's token types, taking its images and videos from index `start`."""
+        merge = self.cfg.vision.spatial_merge_size
+        grids = [[] if g is None else [tuple(r) for r in g.tolist()] for g in (image_grid_thw, video_grid_thw)]
+        counts = [_items(types, kind) for kind in (IMAGE, VIDEO)]
+        seconds = [] if second_per_grid_ts is None else [float(s) for s in second_per_grid_ts]
+        pos = mrope_positions(
+            types.tolist(),
+            grids[0][start[0] : start[0] + counts[0]],
+            grids[1][start[1] : start[1] + counts[1]],
+            seconds[start[1] : start[1] + counts[1]] or [1.0] * counts[1],
+            merge,
+            self.cfg.tokens_per_second,
+        )
+        return pos, (start[0] + counts[0], start[1] + counts[1])
+
+    @torch.no_grad()
+    def hf_logits(
+        self,
+        input_ids,
+        attention_mask=None,
+        pixel_values=None,
+        image_grid_thw=None,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        second_per_grid_ts=None,
+        mm_token_type_ids=None,
+    ) -> torch.Tensor:
+        """HF-style call (the processor's outputs as keyword arguments): a padded batch -> logits
+        [batch, seq, vocab] (zeros at padding). Each row's kept tokens become one sample of a pack."""
+        b, s = input_ids.shape
+        keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        types = self.token_types(input_ids) if mm_token_type_ids is None else mm_token_type_ids
+        rows, positions, lens, start = [], [], [], (0, 0)
+        for r in range(b):
+            ids = input_ids[r][keep[r]]
+            pos, start = self.token_positions(types[r][keep[r]], image_grid_thw, video_grid_thw, second_per_grid_ts, start)
+            rows.append(ids)
+            positions.append(pos)
+            lens.append(len(ids))
+        tokens = torch.cat(rows)[None]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        vision = dict(
+            pixel_values=pixel_values, image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw
+        )
+        logits = self(tokens, torch.cat(positions, dim=1), cu, **vision)
+        out = logits.new_zeros(b, s, logits.shape[-1])
+        out[keep] = logits[0]
+        return out
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None, **vision_inputs) -> torch.Tensor:
+        """Greedy decoding (full recompute per token: a correctness path); token types follow the ids."""
+        vision_inputs.pop("mm_token_type_ids", None)
+        out = input_ids
+        for _ in range(max_new_tokens):
+            nxt = self.hf_logits(out, **vision_inputs)[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, nxt], dim=1)
+            if eos_token_id is not None and bool((nxt == eos_token_id).all()):
+                break
+        return out
+
+    # ---- HF checkpoints ---------------------------------------------------------------------
+
+    def lf_state(self) -> dict:
+        state = {f"language.{k}": v for k, v in local_state(self.language).items()}
+        if self.vision is not None:
+            state.update({f"vision.{k}": v for k, v in self.vision.state_dict().items()})
+        return state
+
+    def load_lf(self, state: dict) -> None:
+        """Load a whole TP=1 LoongForge state dict (`vision.*` and `language.*`)."""
+        load_lf_state(self.language, {k.removeprefix("language."): v for k, v in state.items() if k.startswith("language.")})
+        vision = {k.removeprefix("vision."): v for k, v in state.items() if k.startswith("vision.")}
+        try:
+            self.vision.load_state_dict(vision, strict=True)
+        except RuntimeError as e:
+            raise UserError(f"vision weights do not fit the model: {str(e).splitlines()[0]}") from None
+
+    def hf_state_dict(self) -> dict:
+        return lf_to_hf(vlm_table(self.family), self.lf_state(), self.cfg)
+
+    def save_hf(self, out_dir, dtype: torch.dtype = torch.float32) -> None:
+        if self.family.name != "qwen2":
+            raise UserError(
+                f"HF export writes Qwen2_5_VLForConditionalGeneration, whose language model is Qwen2; this model's is {self.family.name}"
+            )
+        hf_io.save_hf_dir(out_dir, hf_config(self.cfg, self.family, dtype), self.hf_state_dict(), dtype)
+
+    @classmethod
+    def from_hf(cls, hf_dir, families: dict, ctx, ops=None) -> "VisionLanguageModel":
+        family, cfg = read_hf_config(hf_dir, families)
+        model = cls.build(family, cfg, ctx, ops)
+        model.load_lf(hf_to_lf(vlm_table(family), hf_io.load_hf_state(hf_dir), model.cfg))
+        return model
+
+
+def _items(types: torch.Tensor, kind: int) -> int:
+    """How many runs of `kind` tokens (images or videos) a sample holds."""
+    t = (types == kind).int()
+    return int(((t[1:] - t[:-1]) == 1).sum() + t[0]) if len(t) else 0
+
+
+# Qwen2_5_VLConfig's keys beside text_config / vision_config
+VLM_ID_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def read_hf_config(hf_dir, families: dict) -> tuple[FamilySpec, VLMConfig]:
+    """A Qwen2.5-VL directory's config: nested (transformers 5: `text_config`) or flat (the
+    published checkpoints: text keys at the top)."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{hf_dir}: not an HF model directory (no config.json)")
+    c = json.loads(path.read_text())
+    if c.get("model_type") != HF_MODEL_TYPE:
+        raise UserError(f"{hf_dir}: model_type {c.get('model_type')!r} is not a supported VLM (supported: {HF_MODEL_TYPE})")
+    vision = dict(c.get("vision_config") or {})
+    if "text_config" in c:
+        text = dict(c["text_config"])
+    else:
+        text = {k: v for k, v in c.items() if k not in ("vision_config", *VLM_ID_KEYS, "architectures")}
+    text["model_type"] = "qwen2_5_vl_text"
+    text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", False))
+    if "tie_word_embeddings" in c:
+        text["tie_word_embeddings"] = c["tie_word_embeddings"] or text["tie_word_embeddings"]
+    family, lang = hf_io.model_config_from_hf(text, families, hf_dir)
+    tps = vision.pop("tokens_per_second", 2)
+    cfg = VLMConfig(
+        vision=Qwen25VisionConfig.from_hf(vision),
+        language=family.resolve(lang),
+        tokens_per_second=int(tps),
+        **{k: int(c[k]) for k in VLM_ID_KEYS if k in c},
+    )
+    return family, cfg
+
+
+def hf_config(cfg: VLMConfig, family: FamilySpec, dtype=torch.float32) -> dict:
+    text = hf_io.hf_config_dict(family, cfg.language, dtype)
+    text.pop("architectures")
+    text["model_type"] = "qwen2_5_vl_text"
+    vision = {**cfg.vision.hf_config(), "model_type": "qwen2_5_vl_vision", "tokens_per_second": cfg.tokens_per_second}
+    return {
+        "architectures": [HF_ARCHITECTURE],
+        "model_type": HF_MODEL_TYPE,
+        "text_config": text,
+        "vision_config": vision,
+        "tie_word_embeddings": cfg.language.tie_word_embeddings,
+        "dtype": text["dtype"],
+        **{k: getattr(cfg, k) for k in VLM_ID_KEYS},
+    }
+
+
+def vlm_config_from_dict(d: dict) -> VLMConfig:
+    """A VLMConfig from its asdict form (a manifest's or a run config's `model`)."""
+    return VLMConfig(
+        vision=Qwen25VisionConfig(**d["vision"]),
+        language=ModelConfig(**d["language"]),
+        **{k: v for k, v in d.items() if k not in ("vision", "language")},
+    )
