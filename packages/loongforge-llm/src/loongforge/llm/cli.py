@@ -206,8 +206,8 @@ def dry_run(d, tok, n: int) -> int:
 
 def generate(args) -> int:
     import torch
-    from loongforge.core.data.text import load_tokenizer
-    from loongforge.llm.model_io import load_model, tokenizer_dir_for
+    from loongforge.core.data.text import load_tokenizer, tokenizer_dir_for
+    from loongforge.llm.model_io import load_model
 
     if not args.prompt:
         raise UserError('--prompt is empty; give the text to continue, e.g. --prompt "Ada gave the"')

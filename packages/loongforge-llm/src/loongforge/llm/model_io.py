@@ -18,7 +18,7 @@ from loongforge.core.checkpoint import (
     save_megatron,
     verify_files,
 )
-from loongforge.core.data.text import copy_tokenizer
+from loongforge.core.data.text import copy_tokenizer, tokenizer_dir_for
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf as hf_to_lf_state
@@ -26,21 +26,13 @@ from loongforge.core.foundation.lora import LoRAConfig, is_adapter_key
 from loongforge.core.foundation.model import CausalLM, load_lf_state
 from loongforge.core.foundation.spec import ModelConfig
 from loongforge.core.outputs import require_new_dir
+from loongforge.core.parallel import single_process_context
 from loongforge.core.registry import registry
 
 
 def families() -> dict:
     reg = registry()
     return {n: reg.get("family", n) for n in reg.names("family")}
-
-
-def _single_process_ctx():
-    """Whole models are built on the CPU, in this process's (or a new single-process) group."""
-    from loongforge.core.accelerator import get_accelerator
-    from loongforge.core.parallel import init_parallel
-
-    acc = get_accelerator()
-    return init_parallel(1, 1, acc.backend, acc.device_type)
 
 
 def model_config_from_manifest(manifest: dict) -> ModelConfig:
@@ -58,7 +50,7 @@ def load_model(path, base=None) -> CausalLM:
 
     A LoRA checkpoint holds only adapters: its base weights come from `base`, by default the
     `checkpoint.load` it was trained from."""
-    ctx = _single_process_ctx()
+    ctx = single_process_context()
     if hf_io.is_hf_dir(path):
         return CausalLM.from_hf(path, families(), ctx).eval()
     step = find_checkpoint(path)
@@ -109,34 +101,9 @@ def checkpoint_stack(manifest: dict) -> str:
     return manifest.get("parallel", {}).get("stack", "megatron")
 
 
-def _has_tokenizer(d: Path) -> bool:
-    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
-
-
-def tokenizer_dir_for(path) -> Path | None:
-    """The tokenizer that goes with a model: an HF directory's own files, or a checkpoint's run
-    `tokenizer/` directory, else the tokenizer its manifest's config names."""
-    p = Path(path)
-    step = find_checkpoint(p) if not hf_io.is_hf_dir(p) else None
-    if step is None:
-        return p if _has_tokenizer(p) else None
-    run_tok = step.parent.parent / "tokenizer"
-    if _has_tokenizer(run_tok):
-        return run_tok
-    tok = read_manifest(step).get("config", {}).get("data", {}).get("tokenizer")
-    if tok:
-        from loongforge.core.data.text import resolve_tokenizer_path
-
-        try:
-            return resolve_tokenizer_path(tok)
-        except UserError:
-            return None
-    return None
-
-
 def hf_to_lf(hf_dir, out_dir) -> Path:
     require_new_dir(out_dir)
-    model = CausalLM.from_hf(hf_dir, families(), _single_process_ctx())
+    model = CausalLM.from_hf(hf_dir, families(), single_process_context())
     tok = tokenizer_dir_for(hf_dir)
     step = write_checkpoint(model, out_dir)
     if tok is not None:

@@ -1,5 +1,5 @@
 """Process groups per model component (tensor, pipeline, data parallel)."""
 
-from loongforge.core.parallel.context import ParallelContext, free_port, init_parallel, on_rank0
+from loongforge.core.parallel.context import ParallelContext, free_port, init_parallel, on_rank0, single_process_context
 
-__all__ = ["ParallelContext", "free_port", "init_parallel", "on_rank0"]
+__all__ = ["ParallelContext", "free_port", "init_parallel", "on_rank0", "single_process_context"]

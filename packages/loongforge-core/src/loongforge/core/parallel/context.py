@@ -308,3 +308,12 @@ def on_rank0(fn: Callable[[], T]) -> T:
     if box[0] is not None:
         raise UserError(box[0])
     return box[1]
+
+
+def single_process_context() -> ParallelContext:
+    """Whole models (conversion, `load_model`) are built on the CPU, in this process's (or a new
+    single-process) group."""
+    from loongforge.core.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    return init_parallel(1, 1, acc.backend, acc.device_type)

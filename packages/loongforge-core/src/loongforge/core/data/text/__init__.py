@@ -25,7 +25,14 @@ from loongforge.core.data.text.packs import (
 from loongforge.core.data.text.prepacked import PREPACKED_META, PREPACKED_VERSION, PrepackedPacks, write_prepacked
 from loongforge.core.data.text.streaming import stream_packs
 from loongforge.core.data.text.templates import BUILTIN_TEMPLATES, IGNORE, SFTTokenizer
-from loongforge.core.data.text.tokenizer import TINY_TOKENIZER, copy_tokenizer, eod_id, load_tokenizer, resolve_tokenizer_path
+from loongforge.core.data.text.tokenizer import (
+    TINY_TOKENIZER,
+    copy_tokenizer,
+    eod_id,
+    load_tokenizer,
+    resolve_tokenizer_path,
+    tokenizer_dir_for,
+)
 
 __all__ = [
     "SFTDataConfig",
@@ -58,4 +65,5 @@ __all__ = [
     "eod_id",
     "load_tokenizer",
     "resolve_tokenizer_path",
+    "tokenizer_dir_for",
 ]

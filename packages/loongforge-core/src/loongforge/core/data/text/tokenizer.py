@@ -45,3 +45,29 @@ def copy_tokenizer(src, dst) -> None:
             f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
         ):
             shutil.copy2(f, dst / f.name)
+
+
+def _has_tokenizer(d: Path) -> bool:
+    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
+
+
+def tokenizer_dir_for(path) -> Path | None:
+    """The tokenizer that goes with a model: an HF directory's own files, or a checkpoint's run
+    `tokenizer/` directory, else the tokenizer its manifest's config names."""
+    from loongforge.core.checkpoint import find_checkpoint, read_manifest
+    from loongforge.core.foundation import hf_io
+
+    p = Path(path)
+    step = find_checkpoint(p) if not hf_io.is_hf_dir(p) else None
+    if step is None:
+        return p if _has_tokenizer(p) else None
+    run_tok = step.parent.parent / "tokenizer"
+    if _has_tokenizer(run_tok):
+        return run_tok
+    tok = read_manifest(step).get("config", {}).get("data", {}).get("tokenizer")
+    if tok:
+        try:
+            return resolve_tokenizer_path(tok)
+        except UserError:
+            return None
+    return None
