@@ -124,6 +124,18 @@ class VisionLanguageModel(nn.Module):
     def post_process(self) -> bool:
         return self.language.post_process
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """megatron dist_checkpointing's view: the language model's shards under `language.`, the
+        vision tower's tensors (replicated on every rank of its stage) under `vision.`."""
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        sd = self.language.sharded_state_dict(prefix=f"{prefix}language.", sharded_offsets=sharded_offsets, metadata=metadata)
+        if self.vision is not None:
+            sd.update(
+                sharded_state_dict_default(self.vision, f"{prefix}vision.", sharded_offsets, metadata, tp_group=self.language.tp_group)
+            )
+        return sd
+
     def embed(self, tokens, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
         """Token embeddings [T, 1, hidden] with the vision features in place of the pad tokens."""
         x = self.language.embedding(input_ids=tokens, position_ids=None)
@@ -162,29 +174,6 @@ class VisionLanguageModel(nn.Module):
 
     # ---- HF processor outputs in, logits out ------------------------------------------------
 
-    def token_types(self, ids: torch.Tensor) -> torch.Tensor:
-        """TEXT / IMAGE / VIDEO per token (HF processors' `mm_token_type_ids`)."""
-        types = torch.full_like(ids, TEXT)
-        types[ids == self.cfg.image_token_id] = IMAGE
-        types[ids == self.cfg.video_token_id] = VIDEO
-        return types
-
-    def token_positions(self, types: torch.Tensor, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None, start=(0, 0)):
-        """M-RoPE rows [3, T] of one sample's token types, taking its images and videos from index `start`."""
-        merge = self.cfg.vision.spatial_merge_size
-        grids = [[] if g is None else [tuple(r) for r in g.tolist()] for g in (image_grid_thw, video_grid_thw)]
-        counts = [_items(types, kind) for kind in (IMAGE, VIDEO)]
-        seconds = [] if second_per_grid_ts is None else [float(s) for s in second_per_grid_ts]
-        pos = mrope_positions(
-            types.tolist(),
-            grids[0][start[0] : start[0] + counts[0]],
-            grids[1][start[1] : start[1] + counts[1]],
-            seconds[start[1] : start[1] + counts[1]] or [1.0] * counts[1],
-            merge,
-            self.cfg.tokens_per_second,
-        )
-        return pos, (start[0] + counts[0], start[1] + counts[1])
-
     @torch.no_grad()
     def hf_logits(
         self,
@@ -201,11 +190,11 @@ class VisionLanguageModel(nn.Module):
         [batch, seq, vocab] (zeros at padding). Each row's kept tokens become one sample of a pack."""
         b, s = input_ids.shape
         keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        types = self.token_types(input_ids) if mm_token_type_ids is None else mm_token_type_ids
+        types = token_types(self.cfg, input_ids) if mm_token_type_ids is None else mm_token_type_ids
         rows, positions, lens, start = [], [], [], (0, 0)
         for r in range(b):
             ids = input_ids[r][keep[r]]
-            pos, start = self.token_positions(types[r][keep[r]], image_grid_thw, video_grid_thw, second_per_grid_ts, start)
+            pos, start = sample_positions(self.cfg, types[r][keep[r]], image_grid_thw, video_grid_thw, second_per_grid_ts, start)
             rows.append(ids)
             positions.append(pos)
             lens.append(len(ids))
@@ -264,6 +253,32 @@ class VisionLanguageModel(nn.Module):
         model = cls.build(family, cfg, ctx, ops)
         model.load_lf(hf_to_lf(vlm_table(family), hf_io.load_hf_state(hf_dir), model.cfg))
         return model
+
+
+def token_types(cfg: VLMConfig, ids: torch.Tensor) -> torch.Tensor:
+    """TEXT / IMAGE / VIDEO per token (HF processors' `mm_token_type_ids`)."""
+    types = torch.full_like(ids, TEXT)
+    types[ids == cfg.image_token_id] = IMAGE
+    types[ids == cfg.video_token_id] = VIDEO
+    return types
+
+
+def sample_positions(cfg: VLMConfig, types: torch.Tensor, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None, start=(0, 0)):
+    """M-RoPE rows [3, T] of one sample's token types, its images and videos the grids from index
+    `start` on; returns (rows, the indices after this sample's items)."""
+    merge = cfg.vision.spatial_merge_size
+    grids = [[] if g is None else [tuple(r) for r in g.tolist()] for g in (image_grid_thw, video_grid_thw)]
+    counts = [_items(types, kind) for kind in (IMAGE, VIDEO)]
+    seconds = [] if second_per_grid_ts is None else [float(s) for s in second_per_grid_ts]
+    pos = mrope_positions(
+        types.tolist(),
+        grids[0][start[0] : start[0] + counts[0]],
+        grids[1][start[1] : start[1] + counts[1]],
+        seconds[start[1] : start[1] + counts[1]] or [1.0] * counts[1],
+        merge,
+        cfg.tokens_per_second,
+    )
+    return pos, (start[0] + counts[0], start[1] + counts[1])
 
 
 def _items(types: torch.Tensor, kind: int) -> int:

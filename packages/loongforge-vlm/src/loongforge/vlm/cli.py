@@ -1,0 +1,56 @@
+"""`loongforge-vlm`: train vision-language models, answer about an image, convert to HF."""
+
+from __future__ import annotations
+
+import argparse
+
+from loongforge.core.errors import cli_entry
+
+EXAMPLES = """examples:
+  loongforge-vlm train qwen2_5_vl_tiny                      # demo: generated shapes with questions, CPU ok
+  loongforge-vlm train qwen2_5_vl_tiny model.language.family=llama   # the same ViT under another language model
+  loongforge-vlm train run.yaml checkpoint.load=/models/Qwen2.5-VL-7B-Instruct data.paths=[llava.json] \\
+      data.tokenizer=/models/Qwen2.5-VL-7B-Instruct freeze.vision=true
+  loongforge-vlm generate runs/tiny-vlm --image shape.png --prompt "What color is the shape?"
+  loongforge-vlm convert runs/tiny-vlm export/          # an HF Qwen2_5_VLForConditionalGeneration directory
+Errors you can fix print one line and exit 2; add --debug for the traceback."""
+
+
+def parser() -> argparse.ArgumentParser:
+    fmt = {"epilog": EXAMPLES, "formatter_class": argparse.RawDescriptionHelpFormatter}
+    p = argparse.ArgumentParser(prog="loongforge-vlm", description="Vision-language models with LoongForge.", **fmt)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train from a YAML config", **fmt)
+    t.add_argument("config", help="YAML file, or the name of a shipped config (qwen2_5_vl_tiny)")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4")
+    g = sub.add_parser("generate", help="answer a prompt about an image with a trained run or an HF directory", **fmt)
+    g.add_argument("model", help="a run directory of `train`, a checkpoint, or an HF Qwen2.5-VL directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--image", action="append", default=[], help="an image file (repeat for several)")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    c = sub.add_parser("convert", help="a trained run as an HF Qwen2_5_VLForConditionalGeneration directory", **fmt)
+    c.add_argument("run_dir", help="a run directory of `train` (its newest checkpoint is converted)")
+    c.add_argument("out", help="a new (or empty) directory")
+    return p
+
+
+@cli_entry
+def main(argv: list[str]) -> int:
+    args = parser().parse_args([a for a in argv if a != "--debug"])
+    if args.cmd == "train":
+        from loongforge.core.recipes import train
+
+        return train(args.config, args.overrides, prefer="vlm")
+    if args.cmd == "generate":
+        from loongforge.vlm.generate import answer
+
+        print(answer(args.model, args.prompt, args.image, args.max_new_tokens))
+        return 0
+    from loongforge.vlm.model_io import export_hf
+
+    print(f"wrote {export_hf(args.run_dir, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+"""The `vlm.sft` recipe: conversations with images and videos, encoded once (the family's image
+processing, chat template, M-RoPE positions), packed into THD rows of `data.seq_length` tokens,
+trained on the megatron stack (the language model at any TP/PP; the vision tower replicated on
+the first stage) by core's trainer, with HF Qwen2.5-VL in and out."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from loongforge.core.accelerator import get_accelerator
+from loongforge.core.checkpoint import find_checkpoint, read_manifest, verify_files
+from loongforge.core.data import best_fit_decreasing, packing_efficiency, rank_micro_batches
+from loongforge.core.data.text import copy_tokenizer, load_tokenizer, resolve_tokenizer_path
+from loongforge.core.errors import UserError
+from loongforge.core.foundation import hf_io
+from loongforge.core.foundation.hf_mapping import hf_to_lf
+from loongforge.core.foundation.lora import is_adapter_key
+from loongforge.core.ops import OpTable
+from loongforge.core.outputs import replaced_dir
+from loongforge.core.parallel import on_rank0
+from loongforge.core.registry import registry
+from loongforge.core.stacks.build import build_stack
+from loongforge.core.train.precision import resolve_params_dtype
+from loongforge.core.train.run_dir import prepare_run_dir, run_identity, start_run_dir
+from loongforge.core.train.task import TrainingTask
+from loongforge.core.train.trainer import Trainer
+from loongforge.vlm.model import VisionLanguageModel, VLMConfig, read_hf_config, vlm_config_from_dict, vlm_table
+
+VISION_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def tokenizer_path(name: str) -> str:
+    """`tiny`: the shipped demo tokenizer with the Qwen2-VL vision tokens; else an HF directory."""
+    from loongforge.vlm.data import TINY_TOKENIZER
+
+    return str(TINY_TOKENIZER) if name == "tiny" else name
+
+
+def families() -> dict:
+    return {n: registry().get("family", n) for n in registry().names("family")}
+
+
+def token_ids(tok) -> dict:
+    """The vision token ids of a tokenizer (a UserError naming a missing one)."""
+    ids = {}
+    for key, text in VISION_TOKENS.items():
+        i = tok.convert_tokens_to_ids(text)
+        if i is None or i == tok.unk_token_id:
+            raise UserError(f"the tokenizer has no {text} token; use the family's tokenizer (data.tokenizer)")
+        ids[key] = int(i)
+    return ids
+
+
+def resolve_model(cfg, tok) -> tuple[VLMConfig, str | None]:
+    """The composed model's config and where its weights come from ('hf', 'lf' or None): an HF
+    directory or a checkpoint gives the architecture; otherwise the config's `model` section. The
+    vision token ids are the tokenizer's."""
+    load = cfg.checkpoint.load
+    ids = token_ids(tok)
+    if not load:
+        return dataclasses.replace(cfg.model, **ids), None
+    if hf_io.is_hf_dir(load):
+        _, mcfg = read_hf_config(load, families())
+        source = "hf"
+    else:
+        step = find_checkpoint(load)
+        if step is None:
+            raise UserError(f"checkpoint.load={load}: neither an HF Qwen2.5-VL directory nor a LoongForge checkpoint")
+        mcfg, source = vlm_config_from_dict(read_manifest(step)["config"]["model"]), "lf"
+    wrong = {k: (getattr(mcfg, k), v) for k, v in ids.items() if getattr(mcfg, k) != v}
+    if wrong:
+        k, (a, b) = next(iter(wrong.items()))
+        raise UserError(f"checkpoint.load={load} has {k}={a} but the tokenizer's {VISION_TOKENS[k]} is {b}; use the model's own tokenizer")
+    return mcfg, source
+
+
+def validate(cfg, mcfg: VLMConfig, tok) -> None:
+    par, d = cfg.parallel, cfg.data
+    if par.stack != "megatron":
+        raise UserError(f"parallel.stack={par.stack}: VLMs train on the megatron stack; set parallel.stack=megatron")
+    if par.pipeline_model_parallel_size != 1:
+        raise UserError("parallel.pipeline_model_parallel_size > 1 is not supported for VLMs yet; set it to 1")
+    if cfg.train.micro_batch_size != 1:
+        raise UserError("VLM micro-batches are THD packs of data.seq_length tokens: set train.micro_batch_size=1 (raise data.seq_length)")
+    if len(tok) > mcfg.language.vocab_size:
+        raise UserError(
+            f"tokenizer has {len(tok)} tokens but model.language.vocab_size is {mcfg.language.vocab_size}; raise it or use a matching tokenizer"
+        )
+    if mcfg.language.vocab_size % par.tensor_model_parallel_size:
+        raise UserError(
+            f"model.language.vocab_size={mcfg.language.vocab_size} must be divisible by tensor_model_parallel_size={par.tensor_model_parallel_size}"
+        )
+    if d.on_bad_sample not in ("skip", "error"):
+        raise UserError(f"data.on_bad_sample={d.on_bad_sample!r}: choose skip or error")
+    if d.seq_length > mcfg.language.max_position_embeddings:
+        raise UserError(
+            f"data.seq_length={d.seq_length} exceeds model.language.max_position_embeddings={mcfg.language.max_position_embeddings}"
+        )
+    if cfg.freeze.vision and cfg.freeze.projector and cfg.freeze.language and not cfg.lora.enabled:
+        raise UserError("freeze.vision, freeze.projector and freeze.language are all true: nothing would train")
+    cfg.lora.validate()
+    if cfg.lora.enabled and not cfg.checkpoint.load:
+        raise UserError("lora.rank > 0 trains adapters on frozen weights: set checkpoint.load to the base model")
+    mcfg.check()
+
+
+# ---- data ---------------------------------------------------------------------------------
+
+
+def shifted(sample: dict) -> dict:
+    """One encoded sample as the trainer wants it: the next token as each position's label, its
+    weight 1 where that token is trained on (the last position predicts nothing)."""
+    ids, labels = sample["input_ids"], sample["labels"]
+    nxt = torch.cat([labels[1:], labels.new_full((1,), -100)])
+    weights = (nxt != -100).float()
+    return {**sample, "labels": torch.where(nxt == -100, 0, nxt), "loss_weights": weights, "tokens": ids}
+
+
+def make_pack(samples: list[dict]) -> dict:
+    """Samples in one THD row: tokens / labels / loss_weights [1, T], positions [3, T],
+    cu_seqlens, and the vision inputs of every sample in order."""
+    lens = [len(s["tokens"]) for s in samples]
+    pack = {
+        "tokens": torch.cat([s["tokens"] for s in samples])[None],
+        "labels": torch.cat([s["labels"] for s in samples])[None],
+        "loss_weights": torch.cat([s["loss_weights"] for s in samples])[None],
+        "positions": torch.cat([s["position_ids"] for s in samples], dim=1),
+        "cu_seqlens": torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32),
+    }
+    for key in VISION_INPUTS:
+        parts = [s[key] for s in samples if s.get(key) is not None]
+        pack[key] = torch.cat(parts) if parts else None
+    return pack
+
+
+def encoded_samples(cfg, tok, run_dir: Path) -> list[dict]:
+    """Every sample of `data.paths`, encoded (bad ones counted and skipped, or an error)."""
+    from loongforge.vlm.data import VisionProcessorConfig, VisionSampleEncoder, encode_all, read_records, write_demo_dataset
+
+    d = cfg.data
+    paths = list(d.paths)
+    if paths == ["demo"]:
+        demo = run_dir / "data" / "demo"
+        if not (demo / "data.json").is_file():
+            on_rank0(lambda: write_demo_dataset(demo, samples=d.demo_samples, seed=d.seed))
+            if dist.is_initialized():
+                dist.barrier()
+        paths = [str(demo / "data.json")]
+    m, img = cfg.model.vision, d.image
+    processor = VisionProcessorConfig(
+        patch_size=m.patch_size,
+        temporal_patch_size=m.temporal_patch_size,
+        merge_size=m.spatial_merge_size,
+        min_pixels=img.min_pixels,
+        max_pixels=img.max_pixels,
+        video_fps=img.video_fps,
+        video_min_pixels=img.video_min_pixels,
+        video_max_pixels=img.video_max_pixels,
+        video_max_frames=img.video_max_frames,
+        tokens_per_second=float(cfg.model.tokens_per_second),
+    )
+    encoder = VisionSampleEncoder(tok, processor, max_length=d.seq_length)
+    samples, bad = encode_all(read_records(paths, d.format, d.media_root), encoder, d.on_bad_sample, progress=True)
+    if bad:
+        on_rank0(lambda: print("vlm data: skipped " + ", ".join(f"{n} {reason}" for reason, n in sorted(bad.items())), flush=True))
+    return [shifted(s) for s in samples]
+
+
+class VLMTask(TrainingTask):
+    """Next-token prediction of a composed VLM on THD packs; the loss the weighted sum of the
+    trained tokens' cross-entropies (fused with the output projection through the op table)."""
+
+    unit = "tokens"
+
+    def __init__(self, cfg, mcfg: VLMConfig, source, stack, ctx, ops, packs: list[dict], device, run_dir: Path):
+        self.cfg, self.mcfg, self.source, self.stack, self.ctx, self.ops = cfg, mcfg, source, stack, ctx, ops
+        self.packs, self.device, self.run_dir = packs, device, run_dir
+        self.family = registry().get("family", mcfg.language.family)
+        self.lora = cfg.lora if cfg.lora.enabled else None
+        self.trainable_only = self.lora is not None
+        t = cfg.train
+        self.units_per_step = t.global_batch_size * cfg.data.seq_length
+        self.flops_per_step = mcfg.language.flops_per_token(cfg.data.seq_length) * self.units_per_step
+        self.activation_shape = (cfg.data.seq_length, 1, mcfg.language.hidden_size)
+
+    def build_model(self):
+        model = VisionLanguageModel.build(self.family, self.mcfg, self.ctx, self.ops, recompute=self.cfg.train.recompute, lora=self.lora)
+        freeze(model, self.cfg.freeze)
+        return model.to(self.device)
+
+    def batches(self, start_step: int):
+        t = self.cfg.train
+        orders: dict[int, list[int]] = {}
+
+        def order(epoch: int) -> list[int]:
+            if epoch not in orders:
+                o = list(range(len(self.packs)))
+                random.Random(self.cfg.data.seed + epoch).shuffle(o)
+                orders[epoch] = o
+            return orders[epoch]
+
+        n = len(self.packs)
+        for step in itertools.count(start_step):
+            mbs = []
+            for (k,) in rank_micro_batches(step, t.global_batch_size, 1, self.stack.dp_rank, self.stack.dp_size):
+                pack = self.packs[order(k // n)[k % n]]
+                mbs.append({key: (v.to(self.device) if torch.is_tensor(v) else v) for key, v in pack.items()})
+            yield mbs
+
+    def loss(self, model, mb):
+        vision = {k: mb[k] for k in VISION_INPUTS if mb.get(k) is not None}
+        out = model(mb["tokens"], mb["positions"], mb["cu_seqlens"], labels=mb["labels"], loss_weights=mb["loss_weights"], **vision)
+        if not model.post_process:
+            return out
+        return out, mb["loss_weights"].sum(), {}
+
+    def initial_weights(self, model, optimizer, stack) -> int:
+        if self.source is None:
+            return 0
+        src = self.cfg.checkpoint.load
+        if self.source == "hf":
+            state = hf_to_lf(vlm_table(self.family), hf_io.load_hf_state(src), model.cfg)
+            stack.load_full_state_dict(model, state, skip=is_adapter_key)
+            return 0
+        step = find_checkpoint(src)
+        on_rank0(lambda: verify_files(step))
+        stack.load(step, model, select=lambda k: not is_adapter_key(k))
+        return 0
+
+    def on_saved(self, step_dir: Path, final: bool) -> None:
+        if final and self.cfg.checkpoint.export_hf and self.family.name == "qwen2" and dist.get_world_size() == 1:
+            from loongforge.vlm.model_io import export_hf
+
+            with replaced_dir(self.run_dir / "hf") as out:
+                export_hf(step_dir, out)
+            print(f"exported HF model to {self.run_dir / 'hf'}", flush=True)
+
+
+def freeze(model: VisionLanguageModel, f) -> None:
+    """Take the frozen parts out of training (`freeze.*`)."""
+    if model.vision is not None:
+        for name, p in model.vision.named_parameters():
+            merger = name.startswith("merger")
+            if f.projector if merger else f.vision:
+                p.requires_grad_(False)
+    if f.language:
+        for p in model.language.parameters():
+            p.requires_grad_(False)
+
+
+def run(cfg) -> dict:
+    acc = get_accelerator()
+    tok = load_tokenizer(tokenizer_path(cfg.data.tokenizer))
+    mcfg, source = resolve_model(cfg, tok)
+    params_dtype = resolve_params_dtype(cfg.train.params_dtype, acc)
+    stack, ctx = build_stack(cfg.parallel, cfg.train, acc, params_dtype)
+    validate(cfg, mcfg, tok)
+    cfg = dataclasses.replace(cfg, model=mcfg)
+    ops = OpTable.build(cfg.ops, registry(), acc.device_type)
+    run_dir = Path(cfg.checkpoint.run_dir)
+    identity = run_identity(cfg.train, model=mcfg, data=cfg.data, load=cfg.checkpoint.load, freeze=cfg.freeze, lora=cfg.lora)
+    start = prepare_run_dir(cfg.checkpoint, identity)
+
+    def copy_tok(d: Path):
+        if start.resume_from is None or not (d / "tokenizer").is_dir():
+            with replaced_dir(d / "tokenizer") as tmp:
+                copy_tokenizer(resolve_tokenizer_path(tokenizer_path(cfg.data.tokenizer)), tmp)
+
+    start_run_dir(cfg.checkpoint, start, identity, copy_tok)
+    samples = encoded_samples(cfg, tok, run_dir)
+    lengths = [len(s["tokens"]) for s in samples]
+    bins = best_fit_decreasing(lengths, cfg.data.seq_length)
+    if len(bins) < cfg.train.global_batch_size:
+        raise UserError(f"only {len(bins)} packs for train.global_batch_size={cfg.train.global_batch_size}; add data or lower the batch")
+    packs = [make_pack([samples[i] for i in b]) for b in bins]
+    on_rank0(
+        lambda: print(
+            f"vlm data: {len(samples)} samples, {len(packs)} packs of {cfg.data.seq_length} tokens, "
+            f"packing efficiency {packing_efficiency(lengths, bins, cfg.data.seq_length):.1%}",
+            flush=True,
+        )
+    )
+    task = VLMTask(cfg, mcfg, source, stack, ctx, ops, packs, acc.device(), run_dir)
+    trainer = Trainer(cfg.train, cfg.checkpoint, stack, acc, task, dataclasses.asdict(cfg), identity, ops)
+    return trainer.run(start.resume_from, verified=True)
