@@ -148,6 +148,25 @@ def test_varlen_attention_gpu(dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_attention_gpu(dtype):
+    """Bidirectional, separate query and key bounds (a ViT's windows; cross-attention to each
+    sample's own context), head size 80 (Qwen2.5-VL's ViT)."""
+    from loongforge.kernels.varlen_attention import packed_attention
+
+    cu_q = torch.tensor([0, 64, 128, 150, 400], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, 64, 100, 180, 181], device="cuda", dtype=torch.int32)
+    q = torch.randn(400, 4, 80, device="cuda", dtype=dtype)
+    k = torch.randn(181, 4, 80, device="cuda", dtype=dtype)
+    v = torch.randn(181, 4, 80, device="cuda", dtype=dtype)
+    check(
+        lambda a, b, c: packed_attention(a, b, c, cu_q, cu_k),
+        lambda a, b, c: ref.packed_attention(a, b, c, cu_q, cu_k),
+        [q, k, v],
+        torch.randn(400, 4, 80, device="cuda"),
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,hid,k,e", [(1000, 1000, 2, 8), (333, 2048, 8, 128)])
 def test_moe_permute_gpu(dtype, n, hid, k, e):

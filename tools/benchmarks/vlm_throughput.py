@@ -51,7 +51,52 @@ def parse():
     p.add_argument("--setups", default="loongforge (pure bf16),hf eager,hf compile")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--in-process", action="store_true", help="run every setup in this process (default: a fresh process each)")
     return p.parse_args()
+
+
+def isolated(a) -> None:
+    """Each setup in a fresh process (an earlier setup's freed memory cannot crowd a later one
+    out), then the joint table."""
+    import os
+    import subprocess
+
+    results, shares, gpu = {}, None, None
+    for name in [s.strip() for s in a.setups.split(",")]:
+        out = tempfile.mktemp(suffix=".json")
+        argv = [a2 for a2 in sys.argv[1:]]
+        for flag in ("--setups", "--json"):
+            if flag in argv:
+                i = argv.index(flag)
+                del argv[i : i + 2]
+        subprocess.run([sys.executable, __file__, *argv, "--in-process", "--setups", name, "--json", out], check=False)
+        if os.path.exists(out):
+            got = json.load(open(out))
+            results.update(got["results"])
+            shares, gpu = shares or got["shares"], got["gpu"]
+        else:
+            results[name] = None
+    report(results, shares, a, gpu)
+
+
+def report(results: dict, shares, a, gpu: str) -> None:
+    print("\n| setup | ms/step | tokens/s | MFU (of 989) | peak GiB |")
+    print("| --- | --- | --- | --- | --- |")
+    for n, r in results.items():
+        if r is None:
+            print(f"| {n} | failed (see above) | | | |")
+            continue
+        print(f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |")
+    ours = results.get("loongforge (pure bf16)")
+    if ours:
+        for b in ("hf eager", "hf compile"):
+            if results.get(b):
+                print(f"ratio loongforge (pure bf16) / {b}: {ours['tokens_per_s'] / results[b]['tokens_per_s']:.2f}x tokens/s")
+    if shares:
+        print("shares of our step's GPU time: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": vars(a), "results": results, "shares": shares, "gpu": gpu}, f, indent=1)
 
 
 def configs(a):
@@ -220,6 +265,8 @@ CATEGORIES = (
 
 def main():
     a = parse()
+    if not a.in_process:
+        return isolated(a)
     logging.getLogger("megatron").setLevel(logging.ERROR)
     cfg = configs(a)
     ids, grid, pixels = inputs(a, cfg, "cuda")
@@ -243,8 +290,16 @@ def main():
         try:
             step, keep = builders[name]()
             ms, mem = timed(step, a.warmup, a.steps)
-            if name.startswith("loongforge") and not a.no_profile:
-                shares = profile_shares(step, CATEGORIES)
+            if name.startswith("loongforge"):
+                vision = keep.model.vision  # the trainer's model
+
+                def vit_step():
+                    vision(pixels, grid).float().square().mean().backward()
+
+                vit_ms, _ = timed(vit_step, 1, a.steps)
+                print(f"  of which the ViT (forward + backward alone): {vit_ms:.1f} ms ({100 * vit_ms / ms:.1f}% of the step)", flush=True)
+                if not a.no_profile:
+                    shares = profile_shares(step, CATEGORIES)
             del step, keep
         except Exception as e:  # report the setup as failed (out of memory included) and go on
             print(f"{name}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
@@ -260,23 +315,7 @@ def main():
         )
         gc.collect()
         torch.cuda.empty_cache()
-    print("\n| setup | ms/step | tokens/s | MFU (of 989) | peak GiB |")
-    print("| --- | --- | --- | --- | --- |")
-    for n, r in results.items():
-        if r is None:
-            print(f"| {n} | failed (see above) | | | |")
-            continue
-        print(f"| {n} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} |")
-    ours = results.get("loongforge (pure bf16)")
-    if ours:
-        for b in ("hf eager", "hf compile"):
-            if results.get(b):
-                print(f"ratio loongforge (pure bf16) / {b}: {ours['tokens_per_s'] / results[b]['tokens_per_s']:.2f}x tokens/s")
-    if shares:
-        print("shares of our step's GPU time: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"config": vars(a), "results": results, "shares": shares, "gpu": torch.cuda.get_device_name()}, f, indent=1)
+    report(results, shares, a, torch.cuda.get_device_name())
 
 
 if __name__ == "__main__":

@@ -21,3 +21,4 @@ def register(reg) -> None:
     ):
         reg.add("op", f"{op}.triton", OpImpl(fn, cuda, priority=10))
     reg.add("op", "varlen_attention.flash", OpImpl(varlen_attention.varlen_attention, cuda, priority=10))
+    reg.add("op", "packed_attention.flash", OpImpl(varlen_attention.packed_attention, cuda, priority=10))
