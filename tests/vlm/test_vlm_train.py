@@ -185,3 +185,34 @@ def test_bad_samples_counted_or_an_error(tmp_path):
     assert r.returncode == 0 and "skipped 1 missing_media" in r.stdout + r.stderr, r.stderr[-2000:]
     r = run_cli([*args, f"checkpoint.run_dir={tmp_path / 'b'}", "data.on_bad_sample=error"], module=VLM)
     assert r.returncode == 2 and "missing_media" in r.stderr, r.stderr[-2000:]
+
+
+def test_packs_balanced_across_ranks():
+    """data.balance=cost: each step's packs split over 2 ranks by cost, the same packs as the
+    contiguous split, the heavier rank's cost no higher (on skewed costs, lower)."""
+    from types import SimpleNamespace
+
+    from loongforge.vlm.config import VLMRunConfig
+    from loongforge.vlm.recipe import VLMTask
+
+    cfg = VLMRunConfig()
+    cfg.train.global_batch_size = 8
+    costs = [float(1 + (i % 7) ** 3) for i in range(40)]
+    packs = [{"id": torch.tensor(i)} for i in range(40)]
+
+    def shares(balance):
+        cfg.data.balance = balance
+        out = []
+        for rank in (0, 1):
+            task = VLMTask(cfg, cfg.model, None, SimpleNamespace(dp_rank=rank, dp_size=2), None, None, packs, "cpu", None, costs)
+            it = task.batches(0)
+            out.append([[int(mb["id"]) for mb in next(it)] for _ in range(5)])
+        return [(out[0][s], out[1][s]) for s in range(5)]
+
+    worse = 0
+    for (b0, b1), (c0, c1) in zip(shares("cost"), shares("contiguous")):
+        assert sorted(b0 + b1) == sorted(c0 + c1) and len(b0) == len(b1) == 4
+        heavy = lambda a, b: max(sum(costs[i] for i in a), sum(costs[i] for i in b))  # noqa: E731
+        assert heavy(b0, b1) <= heavy(c0, c1)
+        worse += heavy(b0, b1) < heavy(c0, c1)
+    assert worse > 0

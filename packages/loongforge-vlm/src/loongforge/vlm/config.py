@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
+from loongforge.core.data import SampleCost
 from loongforge.core.foundation.lora import LoRAConfig
 from loongforge.vlm.model import VLMConfig
 
@@ -48,6 +49,15 @@ class VLMDataConfig:
     on_bad_sample: str = "skip"  # skip (counted by reason) | error
     image: ImageConfig = field(default_factory=ImageConfig)
     demo_samples: int = 96  # data.paths=[demo]: how many generated samples
+    # which packs each data-parallel rank trains on: cost (each step's packs assigned by
+    # `cost`, so ranks finish together) | contiguous (each rank a contiguous share)
+    balance: str = "cost"
+    # a pack's cost: the sum of its samples' (attention-quadratic + linear terms for the language
+    # model's tokens and each image's / video's patches); the default is FLOPs of a Qwen2.5-VL-7B
+    # shape (fit your own from step times with loongforge.core.data.SampleCost.fit)
+    cost: SampleCost = field(
+        default_factory=lambda: SampleCost(llm_quadratic=602112.0, llm_linear=4.24e10, vit_quadratic=61440.0, vit_linear=3.88e9)
+    )
     seed: int = 0  # the pack order
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from loongforge.core.accelerator import get_accelerator
 from loongforge.core.checkpoint import find_checkpoint, read_manifest, verify_files
-from loongforge.core.data import best_fit_decreasing, packing_efficiency, rank_micro_batches
+from loongforge.core.data import balanced_rank_samples, best_fit_decreasing, packing_efficiency, rank_micro_batches
 from loongforge.core.data.text import copy_tokenizer, load_tokenizer, resolve_tokenizer_path
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
@@ -101,6 +101,8 @@ def validate(cfg, mcfg: VLMConfig, tok) -> None:
         raise UserError(
             f"model.language.vocab_size={mcfg.language.vocab_size} must be divisible by tensor_model_parallel_size={par.tensor_model_parallel_size}"
         )
+    if d.balance not in ("cost", "contiguous"):
+        raise UserError(f"data.balance={d.balance!r}: choose cost or contiguous")
     if d.on_bad_sample not in ("skip", "error"):
         raise UserError(f"data.on_bad_sample={d.on_bad_sample!r}: choose skip or error")
     if d.seq_length > mcfg.language.max_position_embeddings:
@@ -144,6 +146,12 @@ def make_pack(samples: list[dict]) -> dict:
     return pack
 
 
+def sample_cost(cfg, sample: dict) -> float:
+    """`data.cost` of one sample: its tokens, and the patches of each image and video."""
+    grids = [g for key in ("image_grid_thw", "video_grid_thw") if sample.get(key) is not None for g in sample[key]]
+    return cfg.data.cost.cost(len(sample["tokens"]), [int(g.prod()) for g in grids])
+
+
 def encoded_samples(cfg, tok, run_dir: Path) -> list[dict]:
     """Every sample of `data.paths`, encoded (bad ones counted and skipped, or an error)."""
     from loongforge.vlm.data import VisionProcessorConfig, VisionSampleEncoder, encode_all, read_records, write_demo_dataset
@@ -183,9 +191,10 @@ class VLMTask(TrainingTask):
 
     unit = "tokens"
 
-    def __init__(self, cfg, mcfg: VLMConfig, source, stack, ctx, ops, packs: list[dict], device, run_dir: Path):
+    def __init__(self, cfg, mcfg: VLMConfig, source, stack, ctx, ops, packs: list[dict], device, run_dir: Path, costs=None):
         self.cfg, self.mcfg, self.source, self.stack, self.ctx, self.ops = cfg, mcfg, source, stack, ctx, ops
         self.packs, self.device, self.run_dir = packs, device, run_dir
+        self.costs = costs  # each pack's cost (data.balance=cost)
         self.family = registry().get("family", mcfg.language.family)
         self.lora = cfg.lora if cfg.lora.enabled else None
         self.trainable_only = self.lora is not None
@@ -211,10 +220,19 @@ class VLMTask(TrainingTask):
             return orders[epoch]
 
         n = len(self.packs)
+
+        def pack_index(k: int) -> int:
+            return order(k // n)[k % n]
+
+        rank, size = self.stack.dp_rank, self.stack.dp_size
         for step in itertools.count(start_step):
+            if self.cfg.data.balance == "cost" and self.costs is not None:
+                mine = balanced_rank_samples(step, t.global_batch_size, rank, size, lambda k: self.costs[pack_index(k)])
+            else:
+                mine = [k for (k,) in rank_micro_batches(step, t.global_batch_size, 1, rank, size)]
             mbs = []
-            for (k,) in rank_micro_batches(step, t.global_batch_size, 1, self.stack.dp_rank, self.stack.dp_size):
-                pack = self.packs[order(k // n)[k % n]]
+            for k in mine:
+                pack = self.packs[pack_index(k)]
                 mbs.append({key: (v.to(self.device) if torch.is_tensor(v) else v) for key, v in pack.items()})
             yield mbs
 
@@ -284,6 +302,7 @@ def run(cfg) -> dict:
     if len(bins) < cfg.train.global_batch_size:
         raise UserError(f"only {len(bins)} packs for train.global_batch_size={cfg.train.global_batch_size}; add data or lower the batch")
     packs = [make_pack([samples[i] for i in b]) for b in bins]
+    costs = [sum(sample_cost(cfg, samples[i]) for i in b) for b in bins]
     on_rank0(
         lambda: print(
             f"vlm data: {len(samples)} samples, {len(packs)} packs of {cfg.data.seq_length} tokens, "
@@ -291,6 +310,6 @@ def run(cfg) -> dict:
             flush=True,
         )
     )
-    task = VLMTask(cfg, mcfg, source, stack, ctx, ops, packs, acc.device(), run_dir)
+    task = VLMTask(cfg, mcfg, source, stack, ctx, ops, packs, acc.device(), run_dir, costs)
     trainer = Trainer(cfg.train, cfg.checkpoint, stack, acc, task, dataclasses.asdict(cfg), identity, ops)
     return trainer.run(start.resume_from, verified=True)
