@@ -12,17 +12,17 @@ from loongforge.core.foundation import hf_io
 
 
 def processor_for(model_path, cfg):
-    """The image processing a model was trained with: a run's `data.image` section, an HF
-    directory's preprocessor_config.json, else Qwen2-VL's defaults."""
+    """The image processing a model was trained with: a run's `data.image` section, or an HF
+    directory's preprocessor_config.json (Qwen2-VL's defaults where it has none)."""
     from loongforge.vlm.data import VisionProcessorConfig
+    from loongforge.vlm.recipe import processor_config
 
-    v = cfg.vision
-    shape = dict(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size)
     if hf_io.is_hf_dir(model_path):
-        return VisionProcessorConfig.from_hf(model_path, **shape)
-    image = read_manifest(find_checkpoint(model_path))["config"].get("data", {}).get("image", {})
-    keys = ("min_pixels", "max_pixels", "video_fps", "video_min_pixels", "video_max_pixels", "video_max_frames")
-    return VisionProcessorConfig(**shape, **{k: image[k] for k in keys if k in image}, tokens_per_second=float(cfg.tokens_per_second))
+        v = cfg.vision
+        return VisionProcessorConfig.from_hf(
+            model_path, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size
+        )
+    return processor_config(cfg, read_manifest(find_checkpoint(model_path))["config"].get("data", {}).get("image", {}))
 
 
 def answer(model_path, prompt: str, images: list, max_new_tokens: int = 16) -> str:

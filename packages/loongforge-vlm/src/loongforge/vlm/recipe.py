@@ -30,6 +30,7 @@ from loongforge.core.train.run_dir import prepare_run_dir, run_identity, start_r
 from loongforge.core.train.task import TrainingTask
 from loongforge.core.train.trainer import Trainer
 from loongforge.vlm.model import VisionLanguageModel, VLMConfig, read_hf_config, vlm_config_from_dict, vlm_table
+from loongforge.vlm.model_io import families
 
 VISION_TOKENS = {
     "image_token_id": "<|image_pad|>",
@@ -45,10 +46,6 @@ def tokenizer_path(name: str) -> str:
     from loongforge.vlm.data import TINY_TOKENIZER
 
     return str(TINY_TOKENIZER) if name == "tiny" else name
-
-
-def families() -> dict:
-    return {n: registry().get("family", n) for n in registry().names("family")}
 
 
 def token_ids(tok) -> dict:
@@ -146,6 +143,22 @@ def make_pack(samples: list[dict]) -> dict:
     return pack
 
 
+def processor_config(model: VLMConfig, image: dict):
+    """The image / video processing of a model (its patch and merge sizes) under a run's
+    `data.image` settings (a dict: a manifest's, or the config's as a dict)."""
+    from loongforge.vlm.data import VisionProcessorConfig
+
+    v = model.vision
+    keys = ("min_pixels", "max_pixels", "video_fps", "video_min_pixels", "video_max_pixels", "video_max_frames")
+    return VisionProcessorConfig(
+        patch_size=v.patch_size,
+        temporal_patch_size=v.temporal_patch_size,
+        merge_size=v.spatial_merge_size,
+        tokens_per_second=float(model.tokens_per_second),
+        **{k: image[k] for k in keys if k in image},
+    )
+
+
 def sample_cost(cfg, sample: dict) -> float:
     """`data.cost` of one sample: its tokens, and the patches of each image and video."""
     grids = [g for key in ("image_grid_thw", "video_grid_thw") if sample.get(key) is not None for g in sample[key]]
@@ -154,7 +167,7 @@ def sample_cost(cfg, sample: dict) -> float:
 
 def encoded_samples(cfg, tok, run_dir: Path) -> list[dict]:
     """Every sample of `data.paths`, encoded (bad ones counted and skipped, or an error)."""
-    from loongforge.vlm.data import VisionProcessorConfig, VisionSampleEncoder, encode_all, read_records, write_demo_dataset
+    from loongforge.vlm.data import VisionSampleEncoder, encode_all, read_records, write_demo_dataset
 
     d = cfg.data
     paths = list(d.paths)
@@ -165,19 +178,7 @@ def encoded_samples(cfg, tok, run_dir: Path) -> list[dict]:
             if dist.is_initialized():
                 dist.barrier()
         paths = [str(demo / "data.json")]
-    m, img = cfg.model.vision, d.image
-    processor = VisionProcessorConfig(
-        patch_size=m.patch_size,
-        temporal_patch_size=m.temporal_patch_size,
-        merge_size=m.spatial_merge_size,
-        min_pixels=img.min_pixels,
-        max_pixels=img.max_pixels,
-        video_fps=img.video_fps,
-        video_min_pixels=img.video_min_pixels,
-        video_max_pixels=img.video_max_pixels,
-        video_max_frames=img.video_max_frames,
-        tokens_per_second=float(cfg.model.tokens_per_second),
-    )
+    processor = processor_config(cfg.model, dataclasses.asdict(d.image))
     encoder = VisionSampleEncoder(tok, processor, max_length=d.seq_length)
     samples, bad = encode_all(read_records(paths, d.format, d.media_root), encoder, d.on_bad_sample, progress=True)
     if bad:
