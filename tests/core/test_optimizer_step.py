@@ -112,3 +112,20 @@ def test_ema_follows_the_updates_and_skips_with_them():
     assert not torch.allclose(opt.state[ps[0]]["ema"], ps[0])  # it lags the weights
     assert ps[3] not in opt.state  # no gradient, no state
     assert "ema" not in TableAdamW(_params(torch.float32), lr=1e-2).state_dict()["state"].get(0, {})
+
+
+def test_param_groups_by_lr_scale():
+    """A parameter's lr_scale puts it in groups the trainer scales the schedule's rate by."""
+    from loongforge.core.stacks.grads import param_groups
+
+    a, b, c = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2, 2))
+    c.lr_scale = 0.1
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    groups = param_groups([a, b, c, frozen])
+    assert [(len(g["params"]), g.get("lr_scale", 1.0), g.get("weight_decay")) for g in groups] == [
+        (1, 1.0, None),
+        (1, 1.0, 0.0),
+        (1, 0.1, None),
+        (0, 0.1, 0.0),
+    ]
+    assert groups[2]["params"][0] is c

@@ -216,3 +216,23 @@ def test_packs_balanced_across_ranks():
         assert heavy(b0, b1) <= heavy(c0, c1)
         worse += heavy(b0, b1) < heavy(c0, c1)
     assert worse > 0
+
+
+def test_freeze_and_lr_mult_per_part(demo_run, tmp_path):
+    """freeze.language and lr_mult.vision=0 keep those weights; the projector (merger) trains."""
+    from loongforge.vlm import load_model
+
+    run_dir, _ = demo_run
+    train(
+        tmp_path / "run",
+        f"checkpoint.load={run_dir / 'hf'}",
+        "freeze.language=true",
+        "lr_mult.vision=0",
+        "train.lr_warmup_iters=0",
+        "checkpoint.export_hf=false",
+        steps=2,
+    )
+    start, after = load_model(run_dir / "hf").lf_state(), load_model(tmp_path / "run").lf_state()
+    changed = {k for k in start if not torch.equal(start[k], after[k])}
+    assert changed and all(k.startswith("vision.merger") for k in changed), sorted(changed)[:5]
+    assert {k for k in start if k.startswith("vision.merger")} == changed

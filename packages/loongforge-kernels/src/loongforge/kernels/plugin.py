@@ -5,7 +5,7 @@ TRITON_INTERPRET=1 by calling them directly)."""
 
 def register(reg) -> None:
     from loongforge.core.ops import OpImpl
-    from loongforge.kernels import adamw, linear_cross_entropy, moe_permute, qkv_rope, rms_norm, rope, swiglu, varlen_attention
+    from loongforge.kernels import adamw, linear_cross_entropy, moe_permute, qkv_rope, rms_norm, rope, rotary, swiglu, varlen_attention
 
     cuda = ("cuda",)
     for op, fn in (
@@ -13,6 +13,7 @@ def register(reg) -> None:
         ("add_rms_norm", rms_norm.add_rms_norm),
         ("rope", rope.rope),
         ("qkv_rope", qkv_rope.qkv_rope),
+        ("rotary", rotary.rotary),
         ("swiglu", swiglu.swiglu),
         ("linear_cross_entropy", linear_cross_entropy.linear_cross_entropy),
         ("moe_permute", moe_permute.moe_permute),

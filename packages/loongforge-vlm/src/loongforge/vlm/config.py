@@ -25,6 +25,15 @@ class FreezeConfig:
 
 
 @dataclass
+class LRMultConfig:
+    """Each part's learning rate as a multiple of the schedule's (`train.lr` ...)."""
+
+    vision: float = 1.0
+    projector: float = 1.0
+    language: float = 1.0
+
+
+@dataclass
 class ImageConfig:
     """Qwen2-VL image processing: images resized to multiples of patch_size * merge_size with
     their pixel count kept within [min_pixels, max_pixels]."""
@@ -66,6 +75,7 @@ class VLMRunConfig:
     recipe: str = "vlm.sft"
     model: VLMConfig = field(default_factory=VLMConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    lr_mult: LRMultConfig = field(default_factory=LRMultConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters on the language model's linears
     data: VLMDataConfig = field(default_factory=VLMDataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -106,6 +106,9 @@ def validate(cfg, mcfg: VLMConfig, tok) -> None:
         raise UserError(
             f"data.seq_length={d.seq_length} exceeds model.language.max_position_embeddings={mcfg.language.max_position_embeddings}"
         )
+    for part in ("vision", "projector", "language"):
+        if not getattr(cfg.lr_mult, part) >= 0:
+            raise UserError(f"lr_mult.{part}={getattr(cfg.lr_mult, part)} must be at least 0")
     if cfg.freeze.vision and cfg.freeze.projector and cfg.freeze.language and not cfg.lora.enabled:
         raise UserError("freeze.vision, freeze.projector and freeze.language are all true: nothing would train")
     cfg.lora.validate()
@@ -206,7 +209,7 @@ class VLMTask(TrainingTask):
 
     def build_model(self):
         model = VisionLanguageModel.build(self.family, self.mcfg, self.ctx, self.ops, recompute=self.cfg.train.recompute, lora=self.lora)
-        freeze(model, self.cfg.freeze)
+        freeze(model, self.cfg.freeze, self.cfg.lr_mult)
         return model.to(self.device)
 
     def batches(self, start_step: int):
@@ -266,16 +269,22 @@ class VLMTask(TrainingTask):
             print(f"exported HF model to {self.run_dir / 'hf'}", flush=True)
 
 
-def freeze(model: VisionLanguageModel, f) -> None:
-    """Take the frozen parts out of training (`freeze.*`)."""
+def model_parts(model: VisionLanguageModel):
+    """(part name, parameter) of every parameter: vision, projector (the patch merger), language."""
     if model.vision is not None:
         for name, p in model.vision.named_parameters():
-            merger = name.startswith("merger")
-            if f.projector if merger else f.vision:
-                p.requires_grad_(False)
-    if f.language:
-        for p in model.language.parameters():
+            yield ("projector" if name.startswith("merger") else "vision"), p
+    for p in model.language.parameters():
+        yield "language", p
+
+
+def freeze(model: VisionLanguageModel, frozen, lr_mult) -> None:
+    """Take the frozen parts out of training (`freeze.*`); the others train at their `lr_mult`."""
+    for part, p in model_parts(model):
+        if getattr(frozen, part):
             p.requires_grad_(False)
+        elif getattr(lr_mult, part) != 1.0:
+            p.lr_scale = float(getattr(lr_mult, part))
 
 
 def run(cfg) -> dict:

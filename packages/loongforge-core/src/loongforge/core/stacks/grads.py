@@ -8,12 +8,19 @@ import torch.distributed as dist
 
 def param_groups(params) -> list[dict]:
     """AdamW groups over the trainable parameters: matrices take the optimizer's weight decay,
-    vectors (norms, biases) none."""
-    decay, no_decay = [], []
+    vectors (norms, biases) none. A parameter's `lr_scale` attribute (set by a task: a part of the
+    model trained at a multiple of the schedule's rate) puts it in groups of that `lr_scale`,
+    which the trainer multiplies into each step's learning rate."""
+    groups: dict[float, tuple[list, list]] = {1.0: ([], [])}
     for p in params:
         if p.requires_grad:
+            decay, no_decay = groups.setdefault(float(getattr(p, "lr_scale", 1.0)), ([], []))
             (no_decay if p.dim() < 2 else decay).append(p)
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    out = []
+    for scale, (decay, no_decay) in groups.items():
+        extra = {} if scale == 1.0 else {"lr_scale": scale}
+        out += [{"params": decay, **extra}, {"params": no_decay, "weight_decay": 0.0, **extra}]
+    return out
 
 
 def buckets(tensors, size):

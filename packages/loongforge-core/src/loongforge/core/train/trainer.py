@@ -129,7 +129,7 @@ class Trainer:
         self._resolve_pending()
         lr = lr_at(self.state["optimizer_steps"], self.cfg)
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         skipped = clipped_step(opt, grad_norm, self.cfg.clip_grad, loss, divisor)
         stack.after_step(model, opt)
         self._pending = HostCopy(skipped)
