@@ -139,6 +139,120 @@ def test_rope_interleaved_reference_pairs_adjacent_channels():
     torch.testing.assert_close(ref.rope(x, x, torch.arange(3), inv, interleaved=True)[0], want)
 
 
+# bf16: one bf16 step apart at most (2^-7 relative): the interpreter rounds fp32 -> bf16 toward zero where torch
+# (and Triton on a GPU) round to nearest
+BF16_TOL = dict(rtol=1e-2, atol=1e-5)
+
+
+def _rotary_layout(layout, t, hq, hk, d, dtype):
+    """(inputs, split: inputs -> (q, k), the tables' leading dims) for q / k laid out as callers
+    lay them out; `t` tokens."""
+    if layout == "thd":  # [tokens, heads, d] (Wan, Qwen-Image)
+        return [torch.randn(t, hq, d, dtype=dtype), torch.randn(t, hk, d, dtype=dtype)], lambda a, b: (a, b), (t,)
+    if layout == "1thd":  # [1, tokens, heads, d] with [tokens, 1, rot/2] tables (the LLM's M-RoPE path)
+        return [torch.randn(1, t, hq, d, dtype=dtype), torch.randn(1, t, hk, d, dtype=dtype)], lambda a, b: (a, b), (t,)
+    if layout == "htd":  # [tokens, heads, d] stored head-major (strided heads, read in place)
+        q, k = (torch.randn(h, t, d, dtype=dtype).transpose(0, 1) for h in (hq, hk))
+        return [q, k], lambda a, b: (a, b), (t,)
+    if layout == "bshd":  # [2, tokens/2, heads, d] stored seq-major: token dims that do not merge (copied)
+        q = torch.randn(t // 2, 2, hq, d, dtype=dtype).transpose(0, 1)
+        return [q, torch.randn(2, t // 2, hk, d, dtype=dtype)], lambda a, b: (a, b), (2, t // 2)
+    # q / k: strided views of one fused [tokens, hq + 2 hk, d] projection (the vision tower's), read in place
+    return [torch.randn(t, hq + 2 * hk, d, dtype=dtype)], lambda m: (m[:, :hq], m[:, hq : hq + hk]), (t,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot,d", [(16, 16), (8, 24)])
+def test_rotary(dtype, interleaved, rot, d):
+    """Op `rotary` (angle tables) against the reference, values and q / k gradients: GQA, MHA,
+    more k heads than q heads, two head blocks; 3-D and 4-D inputs, strided tokens or heads read in
+    place, token dims that do not merge; partial rotary (8 of 24 channels). fp32 to 1e-5, bf16 to one bf16 rounding (the
+    tables in the input dtype, so bf16 tables are read too)."""
+    from loongforge.kernels.rotary import rotary
+
+    torch.manual_seed(0)
+    t = 8
+    for layout, hq, hk in (("thd", 3, 1), ("thd", 18, 3), ("1thd", 4, 4), ("1thd", 2, 5), ("htd", 2, 5), ("bshd", 3, 1), ("fused", 4, 2)):
+        inputs, split, lead = _rotary_layout(layout, t, hq, hk, d, dtype)
+        ang = torch.randn(*lead, 1, rot // 2) * 3
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        ran = []
+
+        def kernel(*xs):
+            out = rotary(*split(*xs), cos, sin, interleaved)
+            ran.append(type(out[0].grad_fn).__name__)
+            return out
+
+        q_shape = split(*inputs)[0].shape
+        grads = (torch.randn(*q_shape[:-2], hq, d, dtype=dtype), torch.randn(*q_shape[:-2], hk, d, dtype=dtype))
+        _compare(
+            kernel,
+            lambda *xs: ref.rotary(*split(*xs), cos, sin, interleaved),
+            inputs,
+            grads,
+            TOL if dtype == torch.float32 else BF16_TOL,
+        )
+        assert ran == ["_RotaryBackward"], (layout, ran)  # the kernel ran, not the reference fallback
+
+
+def test_rotary_backward_is_rotation_by_the_negative_angle():
+    """The gradient of a rotation by a table is the output gradient rotated by its negative angle
+    (sin -> -sin), checked on the kernel directly."""
+    from loongforge.kernels.rotary import rotary
+
+    torch.manual_seed(0)
+    q, k = torch.randn(5, 3, 16, requires_grad=True), torch.randn(5, 1, 16, requires_grad=True)
+    ang = torch.randn(5, 1, 8)
+    gq, gk = torch.randn(5, 3, 16), torch.randn(5, 1, 16)
+    torch.autograd.backward(rotary(q, k, ang.cos(), ang.sin(), False), (gq, gk))
+    want_q, want_k = ref.rotary(gq, gk, ang.cos(), -ang.sin(), False)
+    torch.testing.assert_close(q.grad, want_q, **TOL)
+    torch.testing.assert_close(k.grad, want_k, **TOL)
+
+
+def test_rotary_tables_per_token():
+    """The kernel takes tables whose leading dims are q's token dims (missing leading dims where q
+    has size 1); others broadcast rows over tokens or grow the output, and go to the reference."""
+    from loongforge.kernels.rotary import per_token_tables
+
+    def fits(q_shape, table_shape):
+        return per_token_tables(torch.empty(table_shape), torch.empty(q_shape))
+
+    assert fits((7, 4, 16), (7, 1, 8)) and fits((1, 7, 4, 16), (7, 1, 8)) and fits((2, 7, 4, 16), (2, 7, 1, 8))
+    assert not fits((2, 7, 4, 16), (7, 1, 8))  # one row for both sequences
+    assert not fits((7, 4, 16), (1, 7, 1, 8))  # the reference's output would be 4-D
+    assert not fits((7, 4, 16), (1, 1, 8)) and not fits((7, 4, 16), (7, 4, 8))  # one row for all tokens; per head
+
+
+def test_rotary_falls_back_to_the_reference():
+    """What the kernel does not take runs the reference (same values; tables that require grad
+    get their gradient)."""
+    from loongforge.kernels.rotary import rotary
+
+    torch.manual_seed(0)
+    q, k = torch.randn(6, 3, 16, requires_grad=True), torch.randn(6, 1, 16, requires_grad=True)
+    ang = torch.randn(6, 1, 8)
+    cases = [
+        (q, k, ang.cos(), ang.sin()),  # control: the kernel's case
+        (q, k, ang[:1].cos(), ang[:1].sin()),  # one row for every token
+        (q[None].expand(2, -1, -1, -1), k[None].expand(2, -1, -1, -1), ang.cos(), ang.sin()),  # rows repeated over a batch
+        (q.double(), k.double(), ang.cos(), ang.sin()),  # no fp64 kernel
+        (q, k.bfloat16(), ang.cos(), ang.sin()),  # q and k of different dtypes
+        (q, k[..., :8], ang[..., :4].cos(), ang[..., :4].sin()),  # k of another head_dim
+    ]
+    for i, (a, b, c, s) in enumerate(cases):
+        out = rotary(a, b, c, s, False)
+        assert (type(out[0].grad_fn).__name__ == "_RotaryBackward") == (i == 0), i
+        for x, y in zip(out, ref.rotary(a, b, c, s, False)):
+            torch.testing.assert_close(x, y, **(TOL if i == 0 else dict(rtol=0, atol=0)))
+    cos, sin = ang.cos().requires_grad_(), ang.sin().requires_grad_()
+    qo, ko = rotary(q, k, cos, sin, False)
+    assert type(qo.grad_fn).__name__ != "_RotaryBackward"
+    (qo.sum() + ko.sum()).backward()
+    assert cos.grad is not None and sin.grad is not None
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_linear_cross_entropy(smoothing, monkeypatch):
     from loongforge.kernels import linear_cross_entropy as lce

@@ -98,6 +98,51 @@ def test_rope_gpu(dtype, interleaved, b, s, hq, hk, d, rot):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(
+    "layout,t,hq,hk,d,rot",
+    [
+        ("thd", 7, 3, 3, 64, 64),
+        ("1thd", 4096, 28, 4, 128, 128),  # the LLM's M-RoPE path (Qwen2.5-VL-7B)
+        ("fused", 16384, 16, 16, 80, 80),  # the vision tower's q / k: views of its fused projection
+        ("bshd", 66, 5, 2, 96, 48),  # partial rotary, token dims that do not merge
+        ("htd", 33, 4, 1, 64, 64),  # strided heads
+    ],
+)
+def test_rotary_gpu(dtype, interleaved, layout, t, hq, hk, d, rot):
+    """Op `rotary` (angle tables, fp32 as the models build them). The reference's `_rotate`
+    computes in fp32 even for float64 inputs, so the `exact` side of `check` is fp32 here."""
+    from loongforge.kernels.rotary import rotary
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    lead = (2, t // 2) if layout == "bshd" else (t,)
+    if layout == "fused":
+        inputs, split = [randn(t, hq + 2 * hk, d)], lambda m: (m[:, :hq], m[:, hq : hq + hk])
+    elif layout == "1thd":
+        inputs, split = [randn(1, t, hq, d), randn(1, t, hk, d)], lambda a, b: (a, b)
+    elif layout == "bshd":
+        inputs, split = [randn(t // 2, 2, hq, d).transpose(0, 1), randn(2, t // 2, hk, d)], lambda a, b: (a, b)
+    elif layout == "htd":
+        inputs, split = [randn(hq, t, d).transpose(0, 1), randn(hk, t, d).transpose(0, 1)], lambda a, b: (a, b)
+    else:
+        inputs, split = [randn(t, hq, d), randn(t, hk, d)], lambda a, b: (a, b)
+    ang = torch.randn(*lead, 1, rot // 2, device="cuda") * 100
+    cos, sin = ang.cos(), ang.sin()
+    out_lead = split(*inputs)[0].shape[:-2]
+    grads = (torch.randn(*out_lead, hq, d, device="cuda"), torch.randn(*out_lead, hk, d, device="cuda"))
+    probe = rotary(*split(*[x.detach().requires_grad_() for x in inputs]), cos, sin, interleaved)[0]
+    assert type(probe.grad_fn).__name__ == "_RotaryBackward"  # the kernel ran, not the reference fallback
+    check(
+        lambda *xs: rotary(*split(*xs), cos, sin, interleaved),
+        lambda *xs: ref.rotary(*split(*xs), cos, sin, interleaved),
+        inputs,
+        grads,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("grad_layout", ["sbhd", "bshd"])
 @pytest.mark.parametrize("s,b,g,r,d,rot", [(7, 2, 3, 1, 64, 64), (2048, 4, 16, 1, 128, 128), (33, 1, 2, 4, 96, 48)])
 def test_qkv_rope_gpu(dtype, grad_layout, s, b, g, r, d, rot):

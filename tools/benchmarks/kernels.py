@@ -1,7 +1,7 @@
 """Kernel benchmarks on one GPU, baselines in the same process: LoongForge's Triton kernels
 against torch.compile of core's reference, torch's own op (F.rms_norm), Liger-Kernel's kernel
-(RMSNorm, SwiGLU, RoPE, fused linear + CE) and megatron-core's MoE permute/unpermute where one
-exists. Forward + backward, bf16. The RoPE and MoE setups are first checked against
+(RMSNorm, SwiGLU, RoPE and rotary, fused linear + CE) and megatron-core's MoE permute/unpermute
+where one exists. Forward + backward, bf16. The RoPE, rotary and MoE setups are first checked against
 the eager reference on the same inputs (outputs and gradients), so a peer called the wrong way
 stops the run instead of being timed.
 
@@ -225,6 +225,70 @@ def rope_rows(shapes, copy_gbs, sweep=((8, 2), (16, 1), (16, 4), (32, 4)), devic
                 krope._launch(q, k, pos, inv, False, 1.0, block_h, warps)
 
             rows.append(row("rope q+k fwd", shape, f"loongforge {block_h} heads, {warps} warps", fwd, nbytes // 2, copy_gbs))
+    return rows
+
+
+def rotary_setups(t, hq, hk, d, layout, device):
+    """Op `rotary` (angle tables) on a query and a key tensor (bf16, half-split pairs, fp32 tables
+    [t, 1, d/2]) laid out as its callers lay them out: `1thd`, [1, t, heads, d] (the LLM's M-RoPE
+    path), or `fused`, [t, heads, d] strided views of one [t, hq + 2 hk, d] projection (the vision
+    tower's q / k). Setups: eager and torch.compile of the reference, our kernel, and Liger's
+    LigerRopeFunction (HF's [b, heads, s, d] view, the tables repeated to the full head_dim; it
+    rotates its inputs in place). Returns ((q, k), (grad q', grad k'), setups: name -> fn(q, k) -> (q', k'))."""
+    from loongforge.kernels.rotary import rotary
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    if layout == "fused":
+        m = torch.randn(t, hq + 2 * hk, d, device=device, generator=gen).to(torch.bfloat16)
+        q0, k0 = m[:, :hq], m[:, hq : hq + hk]
+    else:
+        q0, k0 = (torch.randn(1, t, h, d, device=device, generator=gen).to(torch.bfloat16) for h in (hq, hk))
+    gq, gk = (torch.randn(x.shape, device=device, generator=gen).to(torch.bfloat16) for x in (q0, k0))
+    ang = torch.arange(t, device=device).float()[:, None] * ref.rope_inv_freq(d, 10000.0).to(device)
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]  # [t, 1, d/2]
+    setups = {"eager reference": lambda q, k: ref.rotary(q, k, cos, sin, False), "loongforge": lambda q, k: rotary(q, k, cos, sin, False)}
+    if device != "cpu":
+        setups["torch.compile(reference)"] = torch.compile(lambda q, k: ref.rotary(q, k, cos, sin, False), dynamic=False)
+    lig = maybe(lambda: __import__("liger_kernel.ops.rope", fromlist=["LigerRopeFunction"]).LigerRopeFunction)
+    if lig is not None:
+        full_cos, full_sin = torch.cat([cos[:, 0]] * 2, dim=-1)[None], torch.cat([sin[:, 0]] * 2, dim=-1)[None]  # [1, t, d]
+
+        def liger(q, k):
+            q4, k4 = (x if x.dim() == 4 else x[None] for x in (q, k))
+            qo, ko = lig.apply(q4.transpose(1, 2), k4.transpose(1, 2), full_cos, full_sin)
+            qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
+            return (qo, ko) if q.dim() == 4 else (qo[0], ko[0])
+
+        setups["liger"] = liger
+    return (q0, k0), (gq, gk), setups
+
+
+def rotary_rows(shapes, copy_gbs, sweep=((8, 2), (16, 1), (16, 4), (32, 4)), device="cuda"):
+    """Forward + backward of every setup on q / k in the callers' layout (strided views stay
+    strided), then our forward alone at the default launch parameters (`rope.BLOCK_H` q heads per
+    program, `rope.WARPS` warps) and others: the backward is the same kernel."""
+    from loongforge.kernels import rotary as krot
+
+    rows = []
+    for t, hq, hk, d, layout in shapes:
+        shape = f"{t}x({hq}+{hk})x{d} {layout}"
+        inputs, grads, setups = rotary_setups(t, hq, hk, d, layout, device)
+        errors = agreement(setups, inputs, grads, 2e-2)
+        print(f"rotary q+k {shape}, relative difference to the eager reference:", {n: f"{e:.2g}" for n, e in errors.items()}, flush=True)
+        q, k = (x.detach().requires_grad_(True) for x in inputs)  # leaves with the layout's strides
+        grads = [g.clone() for g in grads]
+        # fwd: read q/k, write q'/k'; bwd: read dq'/dk', write dq/dk; the fp32 cos / sin rows once each way
+        nbytes = 4 * (q.numel() + k.numel()) * 2 + 2 * 2 * t * (d // 2) * 4
+        for name in errors:
+            rows.append(row("rotary q+k fwd+bwd", shape, name, fwd_bwd(setups[name], [q, k], grads), nbytes, copy_gbs, cold=True))
+        ang = torch.arange(t, device=device).float()[:, None] * ref.rope_inv_freq(d, 10000.0).to(device)
+        cos, sin = ang.cos(), ang.sin()  # the kernel's [t, d/2] rows
+        for block_h, warps in ((krot.BLOCK_H, krot.WARPS),) + tuple(sweep):
+
+            def fwd(block_h=block_h, warps=warps):
+                krot._launch(q, k, cos, sin, False, 1.0, block_h, warps)
+
+            rows.append(row("rotary q+k fwd", shape, f"loongforge {block_h} heads, {warps} warps", fwd, nbytes // 2, copy_gbs))
     return rows
 
 
@@ -537,7 +601,7 @@ def ce_rows_sweep(rows_n, v, copy_gbs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="rms_norm,swiglu,rope,qkv_rope,moe,attention_layout,adamw,linear_ce")
+    p.add_argument("--only", default="rms_norm,swiglu,rope,rotary,qkv_rope,moe,attention_layout,adamw,linear_ce")
     p.add_argument("--quick", action="store_true", help="one small shape per kernel")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -556,6 +620,10 @@ def main():
     if "rope" in only:
         rows += rope_rows(
             [(4, 2048, 16, 16, 128), (1, 8192, 32, 8, 128), (4, 8192, 32, 8, 128)] if not a.quick else [(4, 2048, 16, 16, 128)], copy_gbs
+        )
+    if "rotary" in only:
+        rows += rotary_rows(
+            [(4096, 28, 4, 128, "1thd"), (16384, 16, 16, 80, "fused")] if not a.quick else [(4096, 28, 4, 128, "1thd")], copy_gbs
         )
     if "qkv_rope" in only:
         rows += qkv_rope_rows([(2048, 4, 16, 1, 128), (4096, 1, 8, 4, 128)] if not a.quick else [(2048, 4, 16, 1, 128)], copy_gbs)
