@@ -236,3 +236,24 @@ def test_freeze_and_lr_mult_per_part(demo_run, tmp_path):
     changed = {k for k in start if not torch.equal(start[k], after[k])}
     assert changed and all(k.startswith("vision.merger") for k in changed), sorted(changed)[:5]
     assert {k for k in start if k.startswith("vision.merger")} == changed
+
+
+def test_lora_run_loads_and_exports_merged(demo_run, tmp_path):
+    """lora.rank > 0 from the demo's HF export: adapters on the language model (its base frozen),
+    the ViT trained; `load_model` rebuilds the run from its base and checkpoint, and the HF export
+    (adapters merged) gives the same logits."""
+    from loongforge.vlm import load_model
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    run_dir, _ = demo_run
+    run = tmp_path / "run"
+    train(run, f"checkpoint.load={run_dir / 'hf'}", "lora.rank=4", "train.lr=1e-2", "train.lr_warmup_iters=0", steps=3)
+    b = demo_inputs(run_dir)
+    keep = b["attention_mask"].bool()
+    ours = load_model(run).hf_logits(**b)
+    base = load_model(run_dir / "hf").hf_logits(**b)
+    assert (ours[keep] - base[keep]).abs().max() > 1e-3  # the run changed the model
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(run / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(**b).logits
+    assert (ours[keep] - want[keep]).abs().max() / want[keep].abs().max() < 1e-5

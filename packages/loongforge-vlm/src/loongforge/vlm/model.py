@@ -20,6 +20,7 @@ import torch
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf, prefixed
+from loongforge.core.foundation.lora import merged_state
 from loongforge.core.foundation.model import load_lf_state, local_state
 from loongforge.core.foundation.mrope import IMAGE, TEXT, VIDEO, mrope_positions, mrope_tables
 from loongforge.core.foundation.qwen2_5_vl_vision import QWEN25_VISION_TABLE, Qwen25VisionConfig, Qwen25VisionTower
@@ -222,8 +223,10 @@ class VisionLanguageModel(nn.Module):
 
     # ---- HF checkpoints ---------------------------------------------------------------------
 
-    def lf_state(self) -> dict:
-        state = {f"language.{k}": v for k, v in local_state(self.language).items()}
+    def lf_state(self, merged: bool = False) -> dict:
+        """The whole TP=1 state dict; `merged`: LoRA adapters folded into their base weights."""
+        language = merged_state(self.language) if merged else local_state(self.language)
+        state = {f"language.{k}": v for k, v in language.items()}
         if self.vision is not None:
             state.update({f"vision.{k}": v for k, v in self.vision.state_dict().items()})
         return state
@@ -238,7 +241,7 @@ class VisionLanguageModel(nn.Module):
             raise UserError(f"vision weights do not fit the model: {str(e).splitlines()[0]}") from None
 
     def hf_state_dict(self) -> dict:
-        return lf_to_hf(vlm_table(self.family), self.lf_state(), self.cfg)
+        return lf_to_hf(vlm_table(self.family), self.lf_state(merged=True), self.cfg)
 
     def save_hf(self, out_dir, dtype: torch.dtype = torch.float32) -> None:
         if self.family.name != "qwen2":

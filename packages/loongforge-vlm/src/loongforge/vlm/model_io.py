@@ -9,9 +9,11 @@ from loongforge.core.checkpoint import find_checkpoint, load_megatron, verify_fi
 from loongforge.core.data.text import copy_tokenizer, tokenizer_dir_for
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
+from loongforge.core.foundation.hf_mapping import hf_to_lf
+from loongforge.core.foundation.lora import LoRAConfig, is_adapter_key
 from loongforge.core.parallel import single_process_context
 from loongforge.core.registry import registry
-from loongforge.vlm.model import VisionLanguageModel, vlm_config_from_dict
+from loongforge.vlm.model import VisionLanguageModel, vlm_config_from_dict, vlm_table
 
 
 def families() -> dict:
@@ -32,11 +34,33 @@ def load_model(path) -> VisionLanguageModel:
     config = m["config"]
     if "vision" not in config.get("model", {}):
         raise UserError(f"{step} is not a VLM checkpoint (its model has no vision tower); load it with its own package")
-    if config.get("lora", {}).get("rank", 0):
-        raise UserError(f"{step} holds LoRA adapters: loading VLM LoRA checkpoints is not supported yet")
     cfg = vlm_config_from_dict(config["model"])
-    model = VisionLanguageModel.build(registry().get("family", cfg.language.family), cfg, ctx)
-    load_megatron(step, model)
+    family = registry().get("family", cfg.language.family)
+    lora = LoRAConfig(**config.get("lora", {}))
+    if not lora.enabled:
+        model = VisionLanguageModel.build(family, cfg, ctx)
+        load_megatron(step, model)
+        return model.eval()
+    # a LoRA run's checkpoints hold what it trained (adapters, unfrozen vision parts); the rest
+    # comes from the base it started from
+    from loongforge.vlm.config import FreezeConfig, LRMultConfig
+    from loongforge.vlm.recipe import freeze
+
+    model = VisionLanguageModel.build(family, cfg, ctx, lora=lora)
+    freeze(model, FreezeConfig(**config.get("freeze", {})), LRMultConfig())
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    base = config["checkpoint"].get("load")
+    if not base or not Path(base).exists():
+        raise UserError(f"{step} holds LoRA adapters; its base model {base!r} is not there")
+    if hf_io.is_hf_dir(base):
+        model.load_lf(hf_to_lf(vlm_table(family), hf_io.load_hf_state(base), model.cfg))
+    else:
+        base_step = find_checkpoint(base)
+        if base_step is None:
+            raise UserError(f"base model {base}: neither an HF model directory nor a LoongForge checkpoint")
+        verify_files(base_step)
+        load_megatron(base_step, model, select=lambda k: not is_adapter_key(k))
+    load_megatron(step, model, select=trained.__contains__)
     return model.eval()
 
 
