@@ -257,3 +257,21 @@ def test_lora_run_loads_and_exports_merged(demo_run, tmp_path):
     with torch.no_grad():
         want = hf(**b).logits
     assert (ours[keep] - want[keep]).abs().max() / want[keep].abs().max() < 1e-5
+
+
+def test_preprocess_once_then_train(demo_run, tmp_path):
+    """`preprocess` writes the packs a run would make; training from them gives its losses; a run
+    whose config would pack differently is refused, and so is an existing output."""
+    _, single = demo_run
+    packs = tmp_path / "packs"
+    r = run_cli(["preprocess", "qwen2_5_vl_tiny", str(packs), *FAST], module=VLM)
+    assert r.returncode == 0, r.stderr[-2000:]
+    meta = json.loads(r.stdout.strip().splitlines()[-1])
+    assert meta["samples"] == 48 and meta["packs"] >= 4
+    got = train(tmp_path / "run", f"data.prepacked={packs}", "train.save_interval=6", steps=12)
+    for step, want in single.items():
+        assert abs(got[step] - want) <= 1e-6 * abs(want), (step, got[step], want)
+    r = run_cli(["train", "qwen2_5_vl_tiny", *FAST, f"data.prepacked={packs}", "data.seq_length=256", f"checkpoint.run_dir={tmp_path / 'b'}"], module=VLM)
+    assert r.returncode == 2 and "was written with seq_length=128" in r.stderr, r.stderr[-2000:]
+    r = run_cli(["preprocess", "qwen2_5_vl_tiny", str(packs), *FAST], module=VLM)
+    assert r.returncode == 2, r.stderr[-2000:]

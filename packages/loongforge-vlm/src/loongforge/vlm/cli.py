@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from loongforge.core.errors import cli_entry
+from loongforge.core.errors import UserError, cli_entry
 
 EXAMPLES = """examples:
   loongforge-vlm train qwen2_5_vl_tiny                      # demo: generated shapes with questions, CPU ok
   loongforge-vlm train qwen2_5_vl_tiny model.language.family=llama   # the same ViT under another language model
   loongforge-vlm train run.yaml checkpoint.load=/models/Qwen2.5-VL-7B-Instruct data.paths=[llava.json] \\
       data.tokenizer=/models/Qwen2.5-VL-7B-Instruct freeze.vision=true
+  loongforge-vlm preprocess qwen2_5_vl_tiny packs/tiny     # encode and pack once (the run config's data section)
+  loongforge-vlm train qwen2_5_vl_tiny data.prepacked=packs/tiny
   loongforge-vlm generate runs/tiny-vlm --image shape.png --prompt "What color is the shape?"
   loongforge-vlm convert runs/tiny-vlm export/          # an HF Qwen2_5_VLForConditionalGeneration directory
 Errors you can fix print one line and exit 2; add --debug for the traceback."""
@@ -23,6 +25,10 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a YAML config", **fmt)
     t.add_argument("config", help="YAML file, or the name of a shipped config (qwen2_5_vl_tiny)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4")
+    pp = sub.add_parser("preprocess", help="encode and pack a run config's data once into a directory (data.prepacked)", **fmt)
+    pp.add_argument("config", help="the run's YAML file or a shipped config name: its model and data sections decide the packs")
+    pp.add_argument("out", help="a new (or empty) directory")
+    pp.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.seq_length=4096")
     g = sub.add_parser("generate", help="answer a prompt about an image with a trained run or an HF directory", **fmt)
     g.add_argument("model", help="a run directory of `train`, a checkpoint, or an HF Qwen2.5-VL directory")
     g.add_argument("--prompt", required=True)
@@ -41,6 +47,19 @@ def main(argv: list[str]) -> int:
         from loongforge.core.recipes import train
 
         return train(args.config, args.overrides, prefer="vlm")
+    if args.cmd == "preprocess":
+        import json
+
+        from loongforge.core.recipes import resolve
+        from loongforge.vlm.prepacked import write_prepacked
+        from loongforge.vlm.recipe import prepare_for_packing
+
+        recipe, cfg = resolve(args.config, args.overrides, prefer="vlm")
+        if recipe.package != "vlm":
+            raise UserError(f"{args.config} is a {recipe.name} config, not a VLM one")
+        cfg, tok = prepare_for_packing(cfg)
+        print(json.dumps(write_prepacked(cfg, tok, args.out)))
+        return 0
     if args.cmd == "generate":
         from loongforge.vlm.generate import answer
 

@@ -51,6 +51,7 @@ class VLMDataConfig:
     # files of conversations: LLaVA-style JSON, sharegpt / openai messages (JSON / JSONL) or
     # parquet with image bytes; "demo": the shipped generator's shapes (written into the run dir)
     paths: List[str] = field(default_factory=lambda: ["demo"])
+    prepacked: Optional[str] = None  # a `loongforge-vlm preprocess` output directory: its packs instead of `paths`
     format: str = "auto"  # auto | llava | sharegpt | openai (parquet files by their suffix)
     media_root: Optional[str] = None  # relative image / video paths are under this (default: each file's folder)
     tokenizer: str = "tiny"  # an HF tokenizer directory with the family's vision tokens, or "tiny" (the shipped demo's)

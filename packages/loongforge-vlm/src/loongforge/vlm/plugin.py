@@ -4,7 +4,7 @@ Registering imports neither the model nor the data tools."""
 from loongforge.core.recipes import Recipe, lazy
 from loongforge.vlm.config import CONFIG_DIR, VLMRunConfig
 
-SFT = Recipe("vlm.sft", VLMRunConfig, lazy("loongforge.vlm.recipe:run"), CONFIG_DIR, aliases=("sft",), default=True)
+SFT = Recipe("vlm.sft", VLMRunConfig, lazy("loongforge.vlm.recipe:run"), CONFIG_DIR, default=True)
 
 
 def register(reg) -> None:

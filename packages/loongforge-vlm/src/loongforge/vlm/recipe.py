@@ -83,29 +83,20 @@ def resolve_model(cfg, tok) -> tuple[VLMConfig, str | None]:
 
 
 def validate(cfg, mcfg: VLMConfig, tok) -> None:
-    par, d = cfg.parallel, cfg.data
+    par = cfg.parallel
     if par.stack != "megatron":
         raise UserError(f"parallel.stack={par.stack}: VLMs train on the megatron stack; set parallel.stack=megatron")
     if par.pipeline_model_parallel_size != 1:
         raise UserError("parallel.pipeline_model_parallel_size > 1 is not supported for VLMs yet; set it to 1")
     if cfg.train.micro_batch_size != 1:
         raise UserError("VLM micro-batches are THD packs of data.seq_length tokens: set train.micro_batch_size=1 (raise data.seq_length)")
-    if len(tok) > mcfg.language.vocab_size:
-        raise UserError(
-            f"tokenizer has {len(tok)} tokens but model.language.vocab_size is {mcfg.language.vocab_size}; raise it or use a matching tokenizer"
-        )
+    validate_data(cfg, mcfg, tok)
     if mcfg.language.vocab_size % par.tensor_model_parallel_size:
         raise UserError(
             f"model.language.vocab_size={mcfg.language.vocab_size} must be divisible by tensor_model_parallel_size={par.tensor_model_parallel_size}"
         )
-    if d.balance not in ("cost", "contiguous"):
-        raise UserError(f"data.balance={d.balance!r}: choose cost or contiguous")
-    if d.on_bad_sample not in ("skip", "error"):
-        raise UserError(f"data.on_bad_sample={d.on_bad_sample!r}: choose skip or error")
-    if d.seq_length > mcfg.language.max_position_embeddings:
-        raise UserError(
-            f"data.seq_length={d.seq_length} exceeds model.language.max_position_embeddings={mcfg.language.max_position_embeddings}"
-        )
+    if cfg.data.balance not in ("cost", "contiguous"):
+        raise UserError(f"data.balance={cfg.data.balance!r}: choose cost or contiguous")
     for part in ("vision", "projector", "language"):
         if not getattr(cfg.lr_mult, part) >= 0:
             raise UserError(f"lr_mult.{part}={getattr(cfg.lr_mult, part)} must be at least 0")
@@ -114,6 +105,21 @@ def validate(cfg, mcfg: VLMConfig, tok) -> None:
     cfg.lora.validate()
     if cfg.lora.enabled and not cfg.checkpoint.load:
         raise UserError("lora.rank > 0 trains adapters on frozen weights: set checkpoint.load to the base model")
+
+
+def validate_data(cfg, mcfg: VLMConfig, tok) -> None:
+    """The data section against the model and tokenizer (training and preprocessing)."""
+    d = cfg.data
+    if len(tok) > mcfg.language.vocab_size:
+        raise UserError(
+            f"tokenizer has {len(tok)} tokens but model.language.vocab_size is {mcfg.language.vocab_size}; raise it or use a matching tokenizer"
+        )
+    if d.on_bad_sample not in ("skip", "error"):
+        raise UserError(f"data.on_bad_sample={d.on_bad_sample!r}: choose skip or error")
+    if d.seq_length > mcfg.language.max_position_embeddings:
+        raise UserError(
+            f"data.seq_length={d.seq_length} exceeds model.language.max_position_embeddings={mcfg.language.max_position_embeddings}"
+        )
     mcfg.check()
 
 
@@ -162,14 +168,25 @@ def processor_config(model: VLMConfig, image: dict):
     )
 
 
-def sample_cost(cfg, sample: dict) -> float:
-    """`data.cost` of one sample: its tokens, and the patches of each image and video."""
+def sample_sizes(sample: dict) -> list:
+    """[tokens, [patches of each image and video]]: what a sample's cost depends on."""
     grids = [g for key in ("image_grid_thw", "video_grid_thw") if sample.get(key) is not None for g in sample[key]]
-    return cfg.data.cost.cost(len(sample["tokens"]), [int(g.prod()) for g in grids])
+    return [len(sample["tokens"]), [int(g.prod()) for g in grids]]
 
 
-def encoded_samples(cfg, tok, run_dir: Path) -> list[dict]:
-    """Every sample of `data.paths`, encoded (bad ones counted and skipped, or an error)."""
+def pack_all(cfg, samples: list[dict]) -> tuple[list[dict], list, float]:
+    """Samples best-fit into `data.seq_length`-token packs: (packs, each pack's samples' sizes,
+    packing efficiency)."""
+    lengths = [len(s["tokens"]) for s in samples]
+    bins = best_fit_decreasing(lengths, cfg.data.seq_length)
+    packs = [make_pack([samples[i] for i in b]) for b in bins]
+    sizes = [[sample_sizes(samples[i]) for i in b] for b in bins]
+    return packs, sizes, packing_efficiency(lengths, bins, cfg.data.seq_length)
+
+
+def encoded_samples(cfg, tok, run_dir: Path) -> tuple[list[dict], dict]:
+    """Every sample of `data.paths`, encoded (bad ones counted and skipped, or an error), and the
+    bad samples' counts by reason; the demo set is generated under `run_dir/data/demo`."""
     from loongforge.vlm.data import VisionSampleEncoder, encode_all, read_records, write_demo_dataset
 
     d = cfg.data
@@ -186,7 +203,7 @@ def encoded_samples(cfg, tok, run_dir: Path) -> list[dict]:
     samples, bad = encode_all(read_records(paths, d.format, d.media_root), encoder, d.on_bad_sample, progress=True)
     if bad:
         on_rank0(lambda: print("vlm data: skipped " + ", ".join(f"{n} {reason}" for reason, n in sorted(bad.items())), flush=True))
-    return [shifted(s) for s in samples]
+    return [shifted(s) for s in samples], bad
 
 
 class VLMTask(TrainingTask):
@@ -287,6 +304,17 @@ def freeze(model: VisionLanguageModel, frozen, lr_mult) -> None:
             p.lr_scale = float(getattr(lr_mult, part))
 
 
+def prepare_for_packing(cfg):
+    """(the config with its model resolved, the tokenizer): what encoding and packing need, with
+    the run's data checks, for `preprocess`."""
+    if cfg.data.prepacked:
+        raise UserError("data.prepacked is set: preprocess reads data.paths (unset data.prepacked)")
+    tok = load_tokenizer(tokenizer_path(cfg.data.tokenizer))
+    mcfg, _ = resolve_model(cfg, tok)
+    validate_data(cfg, mcfg, tok)
+    return dataclasses.replace(cfg, model=mcfg), tok
+
+
 def run(cfg) -> dict:
     acc = get_accelerator()
     tok = load_tokenizer(tokenizer_path(cfg.data.tokenizer))
@@ -306,18 +334,22 @@ def run(cfg) -> dict:
                 copy_tokenizer(resolve_tokenizer_path(tokenizer_path(cfg.data.tokenizer)), tmp)
 
     start_run_dir(cfg.checkpoint, start, identity, copy_tok)
-    samples = encoded_samples(cfg, tok, run_dir)
-    lengths = [len(s["tokens"]) for s in samples]
-    bins = best_fit_decreasing(lengths, cfg.data.seq_length)
-    if len(bins) < cfg.train.global_batch_size:
-        raise UserError(f"only {len(bins)} packs for train.global_batch_size={cfg.train.global_batch_size}; add data or lower the batch")
-    packs = [make_pack([samples[i] for i in b]) for b in bins]
-    costs = [sum(sample_cost(cfg, samples[i]) for i in b) for b in bins]
+    if cfg.data.prepacked:
+        from loongforge.vlm.prepacked import PrepackedVisionPacks
+
+        packs = PrepackedVisionPacks(cfg.data.prepacked, cfg, tok)
+        sizes, desc = packs.sizes, f"{packs.meta['samples']} samples from {cfg.data.prepacked}"
+        efficiency = packs.meta["packing_efficiency"]
+    else:
+        samples, _ = encoded_samples(cfg, tok, run_dir)
+        packs, sizes, efficiency = pack_all(cfg, samples)
+        desc = f"{len(samples)} samples"
+    if len(packs) < cfg.train.global_batch_size:
+        raise UserError(f"only {len(packs)} packs for train.global_batch_size={cfg.train.global_batch_size}; add data or lower the batch")
+    costs = [sum(cfg.data.cost.cost(tokens, patches) for tokens, patches in pack) for pack in sizes]
     on_rank0(
         lambda: print(
-            f"vlm data: {len(samples)} samples, {len(packs)} packs of {cfg.data.seq_length} tokens, "
-            f"packing efficiency {packing_efficiency(lengths, bins, cfg.data.seq_length):.1%}",
-            flush=True,
+            f"vlm data: {desc}, {len(packs)} packs of {cfg.data.seq_length} tokens, packing efficiency {efficiency:.1%}", flush=True
         )
     )
     task = VLMTask(cfg, mcfg, source, stack, ctx, ops, packs, acc.device(), run_dir, costs)
