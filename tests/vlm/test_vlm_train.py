@@ -271,7 +271,10 @@ def test_preprocess_once_then_train(demo_run, tmp_path):
     got = train(tmp_path / "run", f"data.prepacked={packs}", "train.save_interval=6", steps=12)
     for step, want in single.items():
         assert abs(got[step] - want) <= 1e-6 * abs(want), (step, got[step], want)
-    r = run_cli(["train", "qwen2_5_vl_tiny", *FAST, f"data.prepacked={packs}", "data.seq_length=256", f"checkpoint.run_dir={tmp_path / 'b'}"], module=VLM)
+    r = run_cli(
+        ["train", "qwen2_5_vl_tiny", *FAST, f"data.prepacked={packs}", "data.seq_length=256", f"checkpoint.run_dir={tmp_path / 'b'}"],
+        module=VLM,
+    )
     assert r.returncode == 2 and "was written with seq_length=128" in r.stderr, r.stderr[-2000:]
     r = run_cli(["preprocess", "qwen2_5_vl_tiny", str(packs), *FAST], module=VLM)
     assert r.returncode == 2, r.stderr[-2000:]
