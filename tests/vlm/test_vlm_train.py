@@ -143,14 +143,26 @@ def test_hf_start_keeps_its_weights(demo_run, tmp_path):
     assert set(start) == set(after) and all(torch.equal(start[k], after[k]) for k in start)
 
 
+@pytest.fixture(scope="module")
+def single_from_hf(demo_run, tmp_path_factory):
+    """4 steps of one process from the demo's HF export (the same start for every layout)."""
+    run_dir, _ = demo_run
+    return train(tmp_path_factory.mktemp("single") / "run", f"checkpoint.load={run_dir / 'hf'}", "checkpoint.export_hf=false", steps=4)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=2", "parallel.tensor_model_parallel_size=1"])
-def test_two_processes_match_one(layout, demo_run, tmp_path):
-    """TP=2 (the language model split, the ViT whole on both ranks) and DP=2 equal one process."""
-    _, single = demo_run
-    got = train(tmp_path / "run", layout, "checkpoint.export_hf=false", nproc=2, steps=4)
+@pytest.mark.parametrize(
+    "layout", ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2", "parallel.tensor_model_parallel_size=1"]
+)
+def test_two_processes_match_one(layout, demo_run, single_from_hf, tmp_path):
+    """TP=2 (the language model split, the ViT whole on both ranks), PP=2 (the ViT and the
+    embedding on the first stage, packs padded to a fixed length) and DP=2 equal one process."""
+    run_dir, _ = demo_run
+    got = train(tmp_path / "run", layout, f"checkpoint.load={run_dir / 'hf'}", "checkpoint.export_hf=false", nproc=2, steps=4)
     for step in range(1, 5):
-        assert abs(got[step] - single[step]) <= 1e-5 * abs(single[step]), (layout, step, got[step], single[step])
+        want = single_from_hf[step]
+        assert abs(got[step] - want) <= 1e-5 * abs(want), (layout, step, got[step], want)
+    assert single_from_hf[4] < single_from_hf[1]
 
 
 @pytest.mark.parametrize(

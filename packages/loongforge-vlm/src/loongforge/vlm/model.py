@@ -125,6 +125,11 @@ class VisionLanguageModel(nn.Module):
     def post_process(self) -> bool:
         return self.language.post_process
 
+    def set_input_tensor(self, tensor) -> None:
+        """Pipeline stages after the first: the previous stage's activations (the ViT and the
+        embedding live on the first stage)."""
+        self.language.set_input_tensor(tensor)
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """megatron dist_checkpointing's view: the language model's shards under `language.`, the
         vision tower's tensors (replicated on every rank of its stage) under `vision.`."""

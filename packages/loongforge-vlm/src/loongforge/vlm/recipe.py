@@ -86,8 +86,6 @@ def validate(cfg, mcfg: VLMConfig, tok) -> None:
     par = cfg.parallel
     if par.stack != "megatron":
         raise UserError(f"parallel.stack={par.stack}: VLMs train on the megatron stack; set parallel.stack=megatron")
-    if par.pipeline_model_parallel_size != 1:
-        raise UserError("parallel.pipeline_model_parallel_size > 1 is not supported for VLMs yet; set it to 1")
     if cfg.train.micro_batch_size != 1:
         raise UserError("VLM micro-batches are THD packs of data.seq_length tokens: set train.micro_batch_size=1 (raise data.seq_length)")
     validate_data(cfg, mcfg, tok)
@@ -133,6 +131,21 @@ def shifted(sample: dict) -> dict:
     nxt = torch.cat([labels[1:], labels.new_full((1,), -100)])
     weights = (nxt != -100).float()
     return {**sample, "labels": torch.where(nxt == -100, 0, nxt), "loss_weights": weights, "tokens": ids}
+
+
+def padded(pack: dict, length: int) -> dict:
+    """A pack grown to `length` tokens by one more segment of padding (its own attention segment,
+    weight 0, positions from 0): pipeline stages exchange activations of a fixed shape."""
+    n = pack["tokens"].shape[1]
+    pad = length - n
+    if pad <= 0:
+        return pack
+    out = dict(pack)
+    for key in ("tokens", "labels", "loss_weights"):
+        out[key] = torch.cat([pack[key], pack[key].new_zeros(1, pad)], dim=1)
+    out["positions"] = torch.cat([pack["positions"], torch.arange(pad).expand(3, pad).to(pack["positions"].dtype)], dim=1)
+    out["cu_seqlens"] = torch.cat([pack["cu_seqlens"], pack["cu_seqlens"].new_tensor([length])])
+    return out
 
 
 def make_pack(samples: list[dict]) -> dict:
@@ -254,6 +267,8 @@ class VLMTask(TrainingTask):
             mbs = []
             for k in mine:
                 pack = self.packs[pack_index(k)]
+                if self.ctx is not None and self.ctx.pp_size > 1:  # fixed-shape activations between stages
+                    pack = padded(pack, self.cfg.data.seq_length)
                 mbs.append({key: (v.to(self.device) if torch.is_tensor(v) else v) for key, v in pack.items()})
             yield mbs
 
