@@ -143,11 +143,16 @@ def test_hf_start_keeps_its_weights(demo_run, tmp_path):
     assert set(start) == set(after) and all(torch.equal(start[k], after[k]) for k in start)
 
 
+# 256-token packs hold three demo samples, so a TP rank's share of a pack's images is not all of them
+SEVERAL_IMAGES = ["data.seq_length=256"]
+
+
 @pytest.fixture(scope="module")
 def single_from_hf(demo_run, tmp_path_factory):
     """4 steps of one process from the demo's HF export (the same start for every layout)."""
     run_dir, _ = demo_run
-    return train(tmp_path_factory.mktemp("single") / "run", f"checkpoint.load={run_dir / 'hf'}", "checkpoint.export_hf=false", steps=4)
+    d = tmp_path_factory.mktemp("single") / "run"
+    return d, train(d, *SEVERAL_IMAGES, f"checkpoint.load={run_dir / 'hf'}", "checkpoint.export_hf=false", steps=4)
 
 
 @pytest.mark.slow
@@ -155,14 +160,24 @@ def single_from_hf(demo_run, tmp_path_factory):
     "layout", ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2", "parallel.tensor_model_parallel_size=1"]
 )
 def test_two_processes_match_one(layout, demo_run, single_from_hf, tmp_path):
-    """TP=2 (the language model split, the ViT whole on both ranks), PP=2 (the ViT and the
-    embedding on the first stage, packs padded to a fixed length) and DP=2 equal one process."""
+    """TP=2 (the language model split, each rank encoding half of a pack's images), PP=2 (the
+    ViT and the embedding on the first stage, packs padded to a fixed length) and DP=2 equal one
+    process: the losses, and the trained weights of every part."""
+    from loongforge.vlm import load_model
+
     run_dir, _ = demo_run
-    got = train(tmp_path / "run", layout, f"checkpoint.load={run_dir / 'hf'}", "checkpoint.export_hf=false", nproc=2, steps=4)
+    single_dir, single = single_from_hf
+    got = train(
+        tmp_path / "run", layout, *SEVERAL_IMAGES, f"checkpoint.load={run_dir / 'hf'}", "checkpoint.export_hf=false", nproc=2, steps=4
+    )
     for step in range(1, 5):
-        want = single_from_hf[step]
-        assert abs(got[step] - want) <= 1e-5 * abs(want), (layout, step, got[step], want)
-    assert single_from_hf[4] < single_from_hf[1]
+        assert abs(got[step] - single[step]) <= 1e-5 * abs(single[step]), (layout, step, got[step], single[step])
+    assert single[4] < single[1]
+    want, have = load_model(single_dir).lf_state(), load_model(tmp_path / "run").lf_state()
+    start = load_model(run_dir / "hf").lf_state()
+    for k, w in want.items():
+        moved = (w - start[k]).abs().max()
+        assert (have[k] - w).abs().max() <= 1e-2 * moved + 1e-6, (layout, k, float((have[k] - w).abs().max()), float(moved))
 
 
 @pytest.mark.parametrize(

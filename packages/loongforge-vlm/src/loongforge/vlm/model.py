@@ -119,6 +119,11 @@ class VisionLanguageModel(nn.Module):
         ops = ops or OpTable()
         language = build_gpt_model(cfg.language, ctx, ops, params_dtype, recompute, lora)
         vision = Qwen25VisionTower(cfg.vision, ops).to(params_dtype) if ctx.is_first_stage else None
+        if vision is not None:
+            from loongforge.core.parallel.split_data import SPLIT_DATA_ATTR
+
+            for p in vision.parameters():  # each TP rank encodes its share of the images
+                setattr(p, SPLIT_DATA_ATTR, True)
         return cls(cfg, family, vision, language)
 
     @property
@@ -154,11 +159,33 @@ class VisionLanguageModel(nn.Module):
                 if bool(mask.any()):
                     raise ValueError(f"the tokens hold {int(mask.sum())} pad tokens {pad} but no pixels for them")
                 continue
-            feats = self.vision(pixels, grid)
+            feats = self.vision_features(pixels, grid, x.dtype)
             if feats.shape[0] != int(mask.sum()):
                 raise ValueError(f"{feats.shape[0]} vision features for {int(mask.sum())} pad tokens {pad}")
-            x = x.masked_scatter(mask, feats.to(x.dtype))
+            x = x.masked_scatter(mask, feats)
         return x
+
+    def vision_features(self, pixels, grid, dtype) -> torch.Tensor:
+        """The merged features of every image (video) of the pack, in order. With TP > 1 each rank
+        of the language model's TP group (which share the pack) encodes a contiguous share of the
+        items and the shares are gathered: the ViT is data parallel over all ranks."""
+        group = self.language.tp_group
+        if group is None or group.size() == 1:
+            return self.vision(pixels, grid).to(dtype)
+        from loongforge.core.parallel.split_data import gather_rows, split_items
+
+        rows = [tuple(int(v) for v in g) for g in (grid.tolist() if torch.is_tensor(grid) else grid)]
+        sizes = [t * h * w for t, h, w in rows]
+        bounds = split_items(sizes, group.size())
+        start, stop = bounds[group.rank()]
+        merge = self.cfg.vision.spatial_merge_size**2
+        counts = [sum(sizes[a:b]) // merge for a, b in bounds]
+        if stop > start:
+            first = sum(sizes[:start])
+            mine = self.vision(pixels[first : first + sum(sizes[start:stop])], rows[start:stop]).to(dtype)
+        else:
+            mine = pixels.new_zeros(0, self.cfg.vision.out_hidden_size, dtype=dtype)
+        return gather_rows(mine, group, counts)
 
     def rotary_pack(self, positions: torch.Tensor, cu_seqlens: torch.Tensor):
         from loongforge.core.foundation.layers import rotary_pack_class

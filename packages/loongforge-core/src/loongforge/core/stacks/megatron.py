@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from loongforge.core.checkpoint import load_full_state, load_megatron, save_megatron
 from loongforge.core.foundation.moe import finish_step, is_expert_param, replan_experts
+from loongforge.core.parallel.split_data import sum_split_grads
 from loongforge.core.stacks.base import Select, TrainStack
 from loongforge.core.stacks.grads import all_reduce_mean, grad_sq_norm, param_groups
 from loongforge.core.train.pipeline import forward_backward
@@ -81,6 +82,8 @@ class MegatronStack(TrainStack):
 
     def finalize_grads(self, model, optimizer) -> None:
         ctx = self.ctx
+        if ctx.tp_size > 1:  # parts computed on a split of the TP group's data (a VLM's ViT)
+            sum_split_grads(self._trained, ctx.tp_group)
         if ctx.pp_size > 1 and ctx.embedding_group is not None:
             for p in self._trained:
                 if getattr(p, "shared_embedding", False) and p.grad is not None:
