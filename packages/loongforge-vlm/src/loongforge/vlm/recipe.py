@@ -1,7 +1,8 @@
 """The `vlm.sft` recipe: conversations with images and videos, encoded once (the family's image
 processing, chat template, M-RoPE positions), packed into THD rows of `data.seq_length` tokens,
-trained on the megatron stack (the language model at any TP/PP; the vision tower replicated on
-the first stage) by core's trainer, with HF Qwen2.5-VL in and out."""
+trained on the megatron stack (the language model at any TP/PP; the vision tower on the first
+stage, each rank of a TP group encoding its share of a pack's images) by core's trainer, with HF
+Qwen2.5-VL in and out."""
 
 from __future__ import annotations
 
