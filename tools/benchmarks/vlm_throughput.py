@@ -205,18 +205,18 @@ def ours_step(cfg, ids, grid, pixels):
     labels = torch.cat([ids[0, 1:], ids.new_zeros(1)])[None]
     weights = torch.ones_like(ids, dtype=torch.float)
     weights[0, -1] = 0
-    mb = {
-        "tokens": ids,
-        "labels": labels,
-        "loss_weights": weights,
-        "positions": positions.to(ids.device),
-        "cu_seqlens": torch.tensor([0, seq], dtype=torch.int32, device=ids.device),
-        "pixel_values": pixels,
-        "image_grid_thw": grid,
+    pack = {  # the task's packs live on the host; each step moves one as the task's batches do
+        "tokens": ids.cpu(),
+        "labels": labels.cpu(),
+        "loss_weights": weights.cpu(),
+        "positions": positions,
+        "cu_seqlens": torch.tensor([0, seq], dtype=torch.int32),
+        "pixel_values": pixels.cpu(),
+        "image_grid_thw": grid.cpu(),
     }
 
     def step():
-        trainer.train_step([mb])
+        trainer.train_step([task.device_pack(pack)])
 
     return step, trainer
 
@@ -224,20 +224,9 @@ def ours_step(cfg, ids, grid, pixels):
 def hf_step(cfg, ids, grid, pixels, compile_: bool):
     import transformers
     from loongforge.core.foundation.families import QWEN2
-    from loongforge.core.foundation.hf_io import hf_config_dict
+    from loongforge.vlm.model import hf_config
 
-    text = hf_config_dict(QWEN2, cfg.language, torch.bfloat16)
-    text["model_type"] = "qwen2_5_vl_text"
-    for k in ("architectures", "rope_scaling", "rope_theta"):
-        text.pop(k, None)
-    hc = transformers.Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config={**cfg.vision.hf_config(), "tokens_per_second": 2},
-        image_token_id=IMG,
-        video_token_id=VID,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-    )
+    hc = transformers.Qwen2_5_VLConfig(**hf_config(cfg, QWEN2, torch.bfloat16))
     hc._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -261,6 +250,25 @@ CATEGORIES = (
     ("attention", ("flash", "fmha", "attention", "Attention")),
     ("gemm", ("gemm", "Gemm", "sm90_xmma", "cutlass", "nvjet")),
 )
+
+
+def host_syncs(step) -> None:
+    """Where one step makes the host wait for the GPU (torch's sync debug mode), by source line."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    seen: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            seen[f"{w.filename}:{w.lineno}"] = seen.get(f"{w.filename}:{w.lineno}", 0) + 1
+    print(f"  host syncs in one step: {sum(seen.values())}" + "".join(f"\n    {n}x {where}" for where, n in seen.items()), flush=True)
 
 
 def main():
@@ -294,12 +302,13 @@ def main():
                 vision = keep.model.vision  # the trainer's model
 
                 def vit_step():
-                    vision(pixels, grid).float().square().mean().backward()
+                    vision(pixels, grid.cpu()).float().square().mean().backward()
 
                 vit_ms, _ = timed(vit_step, 1, a.steps)
                 print(f"  of which the ViT (forward + backward alone): {vit_ms:.1f} ms ({100 * vit_ms / ms:.1f}% of the step)", flush=True)
                 if not a.no_profile:
                     shares = profile_shares(step, CATEGORIES)
+                host_syncs(step)
             del step, keep
         except Exception as e:  # report the setup as failed (out of memory included) and go on
             print(f"{name}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)

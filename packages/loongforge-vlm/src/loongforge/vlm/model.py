@@ -23,7 +23,7 @@ from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf, prefixed
 from loongforge.core.foundation.lora import merged_state
 from loongforge.core.foundation.model import load_lf_state, local_state
 from loongforge.core.foundation.mrope import IMAGE, TEXT, VIDEO, mrope_positions, mrope_tables
-from loongforge.core.foundation.qwen2_5_vl_vision import QWEN25_VISION_TABLE, Qwen25VisionConfig, Qwen25VisionTower
+from loongforge.core.foundation.qwen2_5_vl_vision import QWEN25_VISION_TABLE, Qwen25VisionConfig, Qwen25VisionTower, grid_rows
 from loongforge.core.foundation.spec import FamilySpec, ModelConfig, build_gpt_model
 from loongforge.core.ops import OpTable
 from loongforge.core.ops.reference import rope_inv_freq
@@ -155,14 +155,10 @@ class VisionLanguageModel(nn.Module):
             (pixel_values_videos, video_grid_thw, self.cfg.video_token_id),
         ):
             mask = (tokens == pad).transpose(0, 1)[..., None]  # [T, 1, 1]
-            if pixels is None:
-                if bool(mask.any()):
-                    raise ValueError(f"the tokens hold {int(mask.sum())} pad tokens {pad} but no pixels for them")
-                continue
-            feats = self.vision_features(pixels, grid, x.dtype)
-            if feats.shape[0] != int(mask.sum()):
-                raise ValueError(f"{feats.shape[0]} vision features for {int(mask.sum())} pad tokens {pad}")
-            x = x.masked_scatter(mask, feats)
+            feats = None if pixels is None else self.vision_features(pixels, grid, x.dtype)
+            _check_count(mask, 0 if feats is None else feats.shape[0], pad)
+            if feats is not None:
+                x = x.masked_scatter(mask, feats)
         return x
 
     def vision_features(self, pixels, grid, dtype) -> torch.Tensor:
@@ -174,7 +170,7 @@ class VisionLanguageModel(nn.Module):
             return self.vision(pixels, grid).to(dtype)
         from loongforge.core.parallel.split_data import gather_rows, split_items
 
-        rows = [tuple(int(v) for v in g) for g in (grid.tolist() if torch.is_tensor(grid) else grid)]
+        rows = grid_rows(grid)
         sizes = [t * h * w for t, h, w in rows]
         bounds = split_items(sizes, group.size())
         start, stop = bounds[group.rank()]
@@ -187,18 +183,20 @@ class VisionLanguageModel(nn.Module):
             mine = pixels.new_zeros(0, self.cfg.vision.out_hidden_size, dtype=dtype)
         return gather_rows(mine, group, counts)
 
-    def rotary_pack(self, positions: torch.Tensor, cu_seqlens: torch.Tensor):
+    def rotary_pack(self, positions: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None):
+        """The pack's bounds with each token's M-RoPE tables; `max_seqlen` (its longest sample)
+        from the data side spares a host sync."""
         from loongforge.core.foundation.layers import rotary_pack_class
 
         cos, sin = mrope_tables(positions, self.inv_freq, self.sections)
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else int(max_seqlen)
         cu = cu_seqlens.to(torch.int32)
         return rotary_pack_class()(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest, rotary_cos=cos, rotary_sin=sin
         )
 
-    def forward(self, tokens, positions, cu_seqlens, labels=None, loss_weights=None, decoder_input=None, **vision_inputs):
-        packed = self.rotary_pack(positions, cu_seqlens)
+    def forward(self, tokens, positions, cu_seqlens, labels=None, loss_weights=None, decoder_input=None, max_seqlen=None, **vision_inputs):
+        packed = self.rotary_pack(positions, cu_seqlens, max_seqlen)
         if self.vision is not None and decoder_input is None:
             decoder_input = self.embed(tokens, **vision_inputs)
         return self.language(
@@ -288,6 +286,15 @@ class VisionLanguageModel(nn.Module):
         model = cls.build(family, cfg, ctx, ops)
         model.load_lf(hf_to_lf(vlm_table(family), hf_io.load_hf_state(hf_dir), model.cfg))
         return model
+
+
+def _check_count(mask: torch.Tensor, features: int, pad: int) -> None:
+    """The pad tokens must be as many as the vision features put in their place: checked on the
+    device (no host sync) where the tokens live there."""
+    if mask.device.type != "cpu":
+        torch._assert_async(mask.sum() == features, f"the number of pad tokens {pad} differs from the {features} vision features")
+    elif int(mask.sum()) != features:
+        raise ValueError(f"{int(mask.sum())} pad tokens {pad} but {features} vision features for them")
 
 
 def token_types(cfg: VLMConfig, ids: torch.Tensor) -> torch.Tensor:

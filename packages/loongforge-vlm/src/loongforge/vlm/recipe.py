@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from loongforge.core.accelerator import get_accelerator
+from loongforge.core.accelerator import get_accelerator, to_device
 from loongforge.core.checkpoint import find_checkpoint, read_manifest, verify_files
 from loongforge.core.data import balanced_rank_samples, best_fit_decreasing, packing_efficiency, rank_micro_batches
 from loongforge.core.data.text import copy_tokenizer, load_tokenizer, resolve_tokenizer_path
@@ -40,6 +40,7 @@ VISION_TOKENS = {
     "vision_end_token_id": "<|vision_end|>",
 }
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+VISION_GRIDS = ("image_grid_thw", "video_grid_thw")
 
 
 def tokenizer_path(name: str) -> str:
@@ -265,17 +266,29 @@ class VLMTask(TrainingTask):
                 mine = balanced_rank_samples(step, t.global_batch_size, rank, size, lambda k: self.costs[pack_index(k)])
             else:
                 mine = [k for (k,) in rank_micro_batches(step, t.global_batch_size, 1, rank, size)]
-            mbs = []
-            for k in mine:
-                pack = self.packs[pack_index(k)]
-                if self.ctx is not None and self.ctx.pp_size > 1:  # fixed-shape activations between stages
-                    pack = padded(pack, self.cfg.data.seq_length)
-                mbs.append({key: (v.to(self.device) if torch.is_tensor(v) else v) for key, v in pack.items()})
-            yield mbs
+            yield [self.device_pack(self.packs[pack_index(k)]) for k in mine]
+
+    def device_pack(self, pack: dict) -> dict:
+        """A pack as the model takes it: on the device without host syncs (pinned copies), the
+        vision grids kept on the host (the model reads them as sizes), the longest sample read
+        here rather than from the device."""
+        if self.ctx is not None and self.ctx.pp_size > 1:  # fixed-shape activations between stages
+            pack = padded(pack, self.cfg.data.seq_length)
+        out = {k: (v if k in VISION_GRIDS else to_device(v, self.device)) for k, v in pack.items()}
+        out["max_seqlen"] = int(torch.diff(pack["cu_seqlens"]).max())
+        return out
 
     def loss(self, model, mb):
         vision = {k: mb[k] for k in VISION_INPUTS if mb.get(k) is not None}
-        out = model(mb["tokens"], mb["positions"], mb["cu_seqlens"], labels=mb["labels"], loss_weights=mb["loss_weights"], **vision)
+        out = model(
+            mb["tokens"],
+            mb["positions"],
+            mb["cu_seqlens"],
+            labels=mb["labels"],
+            loss_weights=mb["loss_weights"],
+            max_seqlen=mb.get("max_seqlen"),
+            **vision,
+        )
         if not model.post_process:
             return out
         return out, mb["loss_weights"].sum(), {}

@@ -7,6 +7,7 @@ from loongforge.core.accelerator.base import (
     active_accelerator,
     get_accelerator,
     release_accelerator,
+    to_device,
 )
 
-__all__ = ["Accelerator", "CPUAccelerator", "CUDAAccelerator", "active_accelerator", "get_accelerator", "release_accelerator"]
+__all__ = ["Accelerator", "CPUAccelerator", "CUDAAccelerator", "active_accelerator", "get_accelerator", "release_accelerator", "to_device"]

@@ -213,6 +213,18 @@ class CUDAAccelerator(Accelerator):
 _ACTIVE: Accelerator | None = None
 
 
+def to_device(value, device):
+    """A host tensor onto `device` without a host sync: CUDA copies go from pinned memory,
+    non-blocking (a plain copy from pageable memory waits for the device's queue). Values that
+    are not tensors pass through."""
+    if not torch.is_tensor(value):
+        return value
+    device = torch.device(device)
+    if device.type == "cuda" and value.device.type == "cpu":
+        return value.pin_memory().to(device, non_blocking=True)
+    return value.to(device)
+
+
 def get_accelerator(name: str | None = None) -> Accelerator:
     """The process's accelerator: `name`, else `LOONGFORGE_DEVICE`, else the first available of
     the registered ones (cuda before cpu; plugins such as xpu before both)."""

@@ -13,6 +13,8 @@ from the start plus the item's largest merged side. Positions restart in every s
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
@@ -59,6 +61,8 @@ def mrope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, sections) -> t
     c takes its angle from the position row of the section it falls in (time, height, width)."""
     if sum(sections) != inv_freq.numel():
         raise ValueError(f"mrope sections {list(sections)} must sum to the {inv_freq.numel()} rotary pairs")
-    row = torch.repeat_interleave(torch.arange(len(sections)), torch.tensor(list(sections))).to(positions.device)
-    angles = positions.float()[row, :].T * inv_freq.float().to(positions.device)  # [tokens, rot/2]
+    inv, bounds = inv_freq.float().to(positions.device), [0, *itertools.accumulate(sections)]
+    # section by section: no index tensor to copy to the device (a host sync per forward)
+    parts = [positions[r].float()[:, None] * inv[a:b] for r, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+    angles = torch.cat(parts, dim=1)  # [tokens, rot/2]
     return angles.cos()[:, None], angles.sin()[:, None]

@@ -98,23 +98,38 @@ QWEN25_VISION_TABLE = (
 class VisionLayout:
     """Where each patch of a pack of images runs: `order` puts the patches (in the processor's
     order) into window order; `cu_window` / `cu_image` bound each window / image in that order;
-    `angles` are each patch's rotary angles (in window order)."""
+    `pos` is each patch's (row, column) in window order (its rotary position)."""
 
     order: torch.Tensor
-    merged_order: torch.Tensor  # the merge blocks' window order (the merger's rows go back through its inverse)
+    unmerge: torch.Tensor  # the merger's rows (merge blocks in window order) back to the processor's order
     cu_window: torch.Tensor
     cu_image: torch.Tensor
+    pos: torch.Tensor
     max_window: int
     max_image: int
 
+    def to(self, device) -> "VisionLayout":
+        """On `device`, copied from pinned host memory without waiting for the device's queue."""
+        from loongforge.core.accelerator import to_device
 
-def vision_layout(cfg: Qwen25VisionConfig, grid_thw: list[tuple[int, int, int]], device) -> VisionLayout:
-    """HF's window index and bounds for images of `grid_thw` (frames, rows, columns in patches)."""
+        return dataclasses.replace(self, **{f.name: to_device(getattr(self, f.name), device) for f in dataclasses.fields(self)})
+
+
+def grid_rows(grid_thw) -> list[tuple[int, int, int]]:
+    """(frames, rows, columns) of each item as ints, from a list or a tensor (a device tensor
+    costs a host sync: keep grids on the host)."""
+    rows = grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw
+    return [tuple(int(v) for v in g) for g in rows]
+
+
+def vision_layout(cfg: Qwen25VisionConfig, grid_thw) -> VisionLayout:
+    """HF's window index, bounds and rotary positions for images of `grid_thw` (frames, rows,
+    columns in patches), built on the host (`.to(device)` moves it)."""
     m = cfg.spatial_merge_size
     unit = m * m
     win = cfg.window_size // m // cfg.patch_size  # a window's side in merge blocks
-    order, cu_window, cu_image, base = [], [0], [0], 0
-    for t, h, w in grid_thw:
+    order, cu_window, cu_image, pos, base = [], [0], [0], [], 0
+    for t, h, w in grid_rows(grid_thw):
         gh, gw = h // m, w // m
         index = torch.arange(t * gh * gw).reshape(t, gh, gw)
         ph, pw = -gh % win, -gw % win
@@ -128,17 +143,22 @@ def vision_layout(cfg: Qwen25VisionConfig, grid_thw: list[tuple[int, int, int]],
                 cu_window.append(cu_window[-1] + len(kept) * unit)
         for _ in range(t):
             cu_image.append(cu_image[-1] + h * w)
+        # each merge block's patches together, as the processor orders them
+        hh = torch.arange(h)[:, None].expand(h, w).reshape(gh, m, gw, m).transpose(1, 2).reshape(-1)
+        ww = torch.arange(w)[None, :].expand(h, w).reshape(gh, m, gw, m).transpose(1, 2).reshape(-1)
+        pos.append(torch.stack([hh, ww], dim=-1).repeat(t, 1))
         base += t * gh * gw
     merged = torch.cat(order)
     patches = (merged[:, None] * unit + torch.arange(unit)).reshape(-1)
     windows = torch.tensor(cu_window, dtype=torch.int32)
     return VisionLayout(
-        patches.to(device),
-        merged.to(device),
-        windows.to(device),
-        torch.tensor(cu_image, dtype=torch.int32, device=device),
+        patches,
+        torch.argsort(merged),
+        windows,
+        torch.tensor(cu_image, dtype=torch.int32),
+        torch.cat(pos)[patches].to(torch.int32),
         int(torch.diff(windows).max()),
-        max(h * w for _, h, w in grid_thw),
+        max(h * w for _, h, w in grid_rows(grid_thw)),
     )
 
 
@@ -176,31 +196,28 @@ class Qwen25VisionTower(nn.Module):
         self.merger_norm = nn.Parameter(torch.ones(d))
         self.merger_fc1, self.merger_fc2 = nn.Linear(merged, merged), nn.Linear(merged, cfg.out_hidden_size)
 
-    def rope_angles(self, grid_thw, layout: VisionLayout):
+    def rope_angles(self, layout: VisionLayout):
         """cos / sin [patches, 1, head_dim / 2] in window order: (row, column) angles side by side."""
-        m, half = self.cfg.spatial_merge_size, self.cfg.head_dim // 2
-        device = layout.order.device
+        half = self.cfg.head_dim // 2
+        device = layout.pos.device
         inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
-        pos = []
-        for t, h, w in grid_thw:  # each merge block's patches together, as the processor orders them
-            hh = torch.arange(h, device=device)[:, None].expand(h, w).reshape(h // m, m, w // m, m).transpose(1, 2).reshape(-1)
-            ww = torch.arange(w, device=device)[None, :].expand(h, w).reshape(h // m, m, w // m, m).transpose(1, 2).reshape(-1)
-            pos.append(torch.stack([hh, ww], dim=-1).repeat(t, 1))
-        pos = torch.cat(pos)[layout.order].float()
+        pos = layout.pos.float()
         angles = torch.cat([pos[:, :1] * inv, pos[:, 1:] * inv], dim=-1)
         return angles.cos()[:, None], angles.sin()[:, None]
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw) -> torch.Tensor:
-        grid = [tuple(int(v) for v in g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
+    def forward(self, pixel_values: torch.Tensor, grid_thw, layout: VisionLayout | None = None) -> torch.Tensor:
+        """`layout`: `vision_layout(cfg, grid_thw)` on the pixels' device, where the caller made it
+        ahead (built here otherwise)."""
+        grid = grid_rows(grid_thw)
         if pixel_values.shape != (sum(t * h * w for t, h, w in grid), self.cfg.patch_dim):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not hold the patches of grid_thw {grid}")
-        layout = vision_layout(self.cfg, grid, pixel_values.device)
+        layout = layout if layout is not None else vision_layout(self.cfg, grid).to(pixel_values.device)
         x = F.linear(pixel_values.to(self.patch_embed.dtype), self.patch_embed.flatten(1))[layout.order]
-        cos, sin = self.rope_angles(grid, layout)
+        cos, sin = self.rope_angles(layout)
         full = set(self.cfg.fullatt_block_indexes)
         for i, block in enumerate(self.blocks):
             cu, longest = (layout.cu_image, layout.max_image) if i in full else (layout.cu_window, layout.max_window)
             x = block(x, cos, sin, cu, longest)
         x = self.ops.rms_norm(x, self.merger_norm, 1e-6).view(-1, self.merger_fc1.in_features)
         merged = self.merger_fc2(F.gelu(self.merger_fc1(x)))
-        return merged[torch.argsort(layout.merged_order)]
+        return merged[layout.unmerge]
