@@ -16,7 +16,7 @@
 #   moe       tools/benchmarks/moe_throughput.py ($MOE_ARGS; $MOE_SETUPS: comma-separated setup names; $MOE_TIMEOUT s, default 480)
 #   wantests  GPU tests of the Wan stack (tests/diffusion/test_wan_gpu.py)
 #   diffusion tools/benchmarks/diffusion_throughput.py ($DIFF_ARGS; $DIFF_SETUPS; $DIFF_TIMEOUT s, default 480)
-#   vlmtests  GPU-side checks of the VLM stack (tests/vlm/test_vlm_model.py on the GPU image's transformers)
+#   vlmtests  GPU tests of the VLM stack (tests/vlm/test_vlm_gpu.py, and test_vlm_model.py on the GPU image's transformers)
 #   vlm       tools/benchmarks/vlm_throughput.py ($VLM_ARGS; $VLM_SETUPS; $VLM_TIMEOUT s, default 480)
 # $SITE (default /tmp/site) is where the wheels in .whl go; a later call on the same warm machine
 # may carry none (SKIP_INSTALL=1) or others. LeRobot's set goes to $LR_SITE (its own
@@ -68,7 +68,7 @@ for part in $PARTS; do
     moe) timeout ${MOE_TIMEOUT:-480} python3 tools/benchmarks/moe_throughput.py ${MOE_ARGS:-} ${MOE_SETUPS:+--setups "$MOE_SETUPS"} --json "$OUT/moe_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/moe_throughput.log" ;;
     wantests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/diffusion/test_wan_gpu.py 2>&1 | tail -40 | tee "$OUT/wan_gpu_tests.log" ;;
     diffusion) timeout ${DIFF_TIMEOUT:-480} python3 tools/benchmarks/diffusion_throughput.py ${DIFF_ARGS:-} ${DIFF_SETUPS:+--setups "$DIFF_SETUPS"} --json "$OUT/diffusion_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/diffusion_throughput.log" ;;
-    vlmtests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/vlm/test_vlm_model.py 2>&1 | tail -40 | tee "$OUT/vlm_tests.log" ;;
+    vlmtests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/vlm/test_vlm_model.py tests/vlm/test_vlm_gpu.py 2>&1 | tail -40 | tee "$OUT/vlm_tests.log" ;;
     vlm) timeout ${VLM_TIMEOUT:-480} python3 tools/benchmarks/vlm_throughput.py ${VLM_ARGS:-} ${VLM_SETUPS:+--setups "$VLM_SETUPS"} --json "$OUT/vlm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/vlm_throughput.log" ;;
     llm) timeout ${LLM_TIMEOUT:-400} python3 tools/benchmarks/llm_throughput.py ${LLM_ARGS:-} ${LLM_SETUPS:+--setups "$LLM_SETUPS"} --json "$OUT/llm_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/llm_throughput.log" ;;
   esac
