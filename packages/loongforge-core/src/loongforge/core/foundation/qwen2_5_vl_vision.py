@@ -122,13 +122,34 @@ def grid_rows(grid_thw) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in g) for g in rows]
 
 
+def patch_positions(grid_thw, merge: int) -> torch.Tensor:
+    """Each patch's (row, column) [patches, 2] (int32, on the host) in the processor's order: each
+    merge block's patches together, every frame of an item alike."""
+    pos = []
+    for t, h, w in grid_rows(grid_thw):
+        hh = torch.arange(h)[:, None].expand(h, w).reshape(h // merge, merge, w // merge, merge).transpose(1, 2).reshape(-1)
+        ww = torch.arange(w)[None, :].expand(h, w).reshape(h // merge, merge, w // merge, merge).transpose(1, 2).reshape(-1)
+        pos.append(torch.stack([hh, ww], dim=-1).repeat(t, 1))
+    return torch.cat(pos).to(torch.int32)
+
+
+def rope_tables(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2-D rotary tables of patches at `pos` [patches, 2]: cos / sin [patches, 1, head_dim / 2],
+    the row's and the column's angles side by side."""
+    half = head_dim // 2
+    inv = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float, device=pos.device) / half))
+    pos = pos.float()
+    angles = torch.cat([pos[:, :1] * inv, pos[:, 1:] * inv], dim=-1)
+    return angles.cos()[:, None], angles.sin()[:, None]
+
+
 def vision_layout(cfg: Qwen25VisionConfig, grid_thw) -> VisionLayout:
     """HF's window index, bounds and rotary positions for images of `grid_thw` (frames, rows,
     columns in patches), built on the host (`.to(device)` moves it)."""
     m = cfg.spatial_merge_size
     unit = m * m
     win = cfg.window_size // m // cfg.patch_size  # a window's side in merge blocks
-    order, cu_window, cu_image, pos, base = [], [0], [0], [], 0
+    order, cu_window, cu_image, base = [], [0], [0], 0
     for t, h, w in grid_rows(grid_thw):
         gh, gw = h // m, w // m
         index = torch.arange(t * gh * gw).reshape(t, gh, gw)
@@ -143,10 +164,6 @@ def vision_layout(cfg: Qwen25VisionConfig, grid_thw) -> VisionLayout:
                 cu_window.append(cu_window[-1] + len(kept) * unit)
         for _ in range(t):
             cu_image.append(cu_image[-1] + h * w)
-        # each merge block's patches together, as the processor orders them
-        hh = torch.arange(h)[:, None].expand(h, w).reshape(gh, m, gw, m).transpose(1, 2).reshape(-1)
-        ww = torch.arange(w)[None, :].expand(h, w).reshape(gh, m, gw, m).transpose(1, 2).reshape(-1)
-        pos.append(torch.stack([hh, ww], dim=-1).repeat(t, 1))
         base += t * gh * gw
     merged = torch.cat(order)
     patches = (merged[:, None] * unit + torch.arange(unit)).reshape(-1)
@@ -156,7 +173,7 @@ def vision_layout(cfg: Qwen25VisionConfig, grid_thw) -> VisionLayout:
         torch.argsort(merged),
         windows,
         torch.tensor(cu_image, dtype=torch.int32),
-        torch.cat(pos)[patches].to(torch.int32),
+        patch_positions(grid_thw, m)[patches],
         int(torch.diff(windows).max()),
         max(h * w for _, h, w in grid_rows(grid_thw)),
     )
@@ -196,15 +213,6 @@ class Qwen25VisionTower(nn.Module):
         self.merger_norm = nn.Parameter(torch.ones(d))
         self.merger_fc1, self.merger_fc2 = nn.Linear(merged, merged), nn.Linear(merged, cfg.out_hidden_size)
 
-    def rope_angles(self, layout: VisionLayout):
-        """cos / sin [patches, 1, head_dim / 2] in window order: (row, column) angles side by side."""
-        half = self.cfg.head_dim // 2
-        device = layout.pos.device
-        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
-        pos = layout.pos.float()
-        angles = torch.cat([pos[:, :1] * inv, pos[:, 1:] * inv], dim=-1)
-        return angles.cos()[:, None], angles.sin()[:, None]
-
     def forward(self, pixel_values: torch.Tensor, grid_thw, layout: VisionLayout | None = None) -> torch.Tensor:
         """`layout`: `vision_layout(cfg, grid_thw)` on the pixels' device, where the caller made it
         ahead (built here otherwise)."""
@@ -213,7 +221,7 @@ class Qwen25VisionTower(nn.Module):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not hold the patches of grid_thw {grid}")
         layout = layout if layout is not None else vision_layout(self.cfg, grid).to(pixel_values.device)
         x = F.linear(pixel_values.to(self.patch_embed.dtype), self.patch_embed.flatten(1))[layout.order]
-        cos, sin = self.rope_angles(layout)
+        cos, sin = rope_tables(layout.pos, self.cfg.head_dim, self.cfg.rope_theta)
         full = set(self.cfg.fullatt_block_indexes)
         for i, block in enumerate(self.blocks):
             cu, longest = (layout.cu_image, layout.max_image) if i in full else (layout.cu_window, layout.max_window)
