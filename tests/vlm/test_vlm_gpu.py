@@ -22,7 +22,7 @@ def cuda_model(hf_dir):  # noqa: F811
 
     family, cfg = read_hf_config(hf_dir, {"qwen2": QWEN2})
     model = VisionLanguageModel.build(family, cfg, ctx(), OpTable.build(None, registry(), "cuda"), params_dtype=torch.bfloat16)
-    model.load_lf(hf_to_lf(vlm_table(family), hf_io.load_hf_state(hf_dir), model.cfg))
+    model.load_lf(hf_to_lf(vlm_table(family, cfg.arch), hf_io.load_hf_state(hf_dir), model.cfg))
     return model.cuda()
 
 

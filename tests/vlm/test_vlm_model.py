@@ -158,6 +158,6 @@ def test_bad_configs(hf_dir, tmp_path):
     with pytest.raises(UserError, match="model_type 'llava' is not a supported VLM"):
         read_hf_config(bad, {"qwen2": QWEN2})
     fam, cfg = read_hf_config(hf_dir, {"qwen2": QWEN2})
-    cfg.vision.out_hidden_size = 16
+    cfg.vision["out_hidden_size"] = 16
     with pytest.raises(UserError, match="out_hidden_size=16 must equal model.language.hidden_size=32"):
         VisionLanguageModel.build(fam, cfg, ctx())

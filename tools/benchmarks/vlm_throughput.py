@@ -23,6 +23,7 @@ image length) x patches (non-causal; the merger counted in its params).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -131,13 +132,18 @@ def configs(a):
         qk_norm=False,
     )
     return VLMConfig(
-        vision=vision, language=language, image_token_id=IMG, video_token_id=VID, vision_start_token_id=START, vision_end_token_id=END
+        vision=dataclasses.asdict(vision),
+        language=language,
+        image_token_id=IMG,
+        video_token_id=VID,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
     )
 
 
 def inputs(a, cfg, device):
     """One sample: text, then each image as start + pads + end, text to `--seq` tokens."""
-    side = a.image_size // cfg.vision.patch_size
+    side = a.image_size // cfg.tower.patch_size
     merged = side * side // 4
     g = torch.Generator().manual_seed(0)
     text = a.seq - a.images * (merged + 2)
@@ -150,12 +156,12 @@ def inputs(a, cfg, device):
     ids += torch.randint(0, 150000, (a.seq - len(ids),), generator=g).tolist()
     ids = torch.tensor(ids, device=device)[None]
     grid = torch.tensor([[1, side, side]] * a.images, device=device)
-    pixels = torch.randn(a.images * side * side, cfg.vision.patch_dim, generator=g).to(device, torch.bfloat16)
+    pixels = torch.randn(a.images * side * side, cfg.tower.patch_dim, generator=g).to(device, torch.bfloat16)
     return ids, grid, pixels
 
 
 def vit_flops(cfg, grid) -> float:
-    v = cfg.vision
+    v = cfg.tower
     d, f = v.hidden_size, v.intermediate_size
     merged_in = d * 4
     params = v.patch_dim * d + v.depth * (4 * d * d + 3 * d * f) + merged_in * merged_in + merged_in * v.out_hidden_size

@@ -18,7 +18,7 @@ def processor_for(model_path, cfg):
     from loongforge.vlm.recipe import processor_config
 
     if hf_io.is_hf_dir(model_path):
-        v = cfg.vision
+        v = cfg.tower
         return VisionProcessorConfig.from_hf(
             model_path, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size
         )

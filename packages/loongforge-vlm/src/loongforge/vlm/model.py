@@ -1,12 +1,14 @@
 """A vision-language model composed of core parts: a vision tower whose patch merger projects to
-the language model's width (Qwen2.5-VL's ViT), and a decoder family of core's foundation (Qwen2,
-Llama, Qwen3) with M-RoPE positions. Samples run packed (THD): every sample's tokens in one row,
-each image's merged features in place of its `<|image_pad|>` tokens, and each token's M-RoPE
-angles handed to every attention layer with the pack (`foundation.layers.rotary_pack_class`).
+the language model's width (Qwen2.5-VL's or Qwen3-VL's ViT), and a decoder family of core's
+foundation (Qwen2, Llama, Qwen3) with M-RoPE positions. Samples run packed (THD): every sample's
+tokens in one row, each image's merged features in place of its `<|image_pad|>` tokens, and each
+token's M-RoPE angles handed to every attention layer with the pack
+(`foundation.layers.rotary_pack_class`); Qwen3-VL's DeepStack features ride with the pack too and
+are added to the first language layers' outputs at the vision tokens.
 
-HF Qwen2.5-VL checkpoints (`Qwen2_5_VLForConditionalGeneration`) map by `vlm_table`: the vision
-table under `visual.` and the language family's own table (`model.layers...`, `lm_head`), the
-names published checkpoints and `save_pretrained` write.
+HF checkpoints (`Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`) map by
+`vlm_table`: the architecture's vision table under its prefix and the language family's own
+table, the names published checkpoints and `save_pretrained` write.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Dict
 
 import torch
 from loongforge.core.errors import UserError
@@ -24,20 +27,70 @@ from loongforge.core.foundation.lora import merged_state
 from loongforge.core.foundation.model import load_lf_state, local_state
 from loongforge.core.foundation.mrope import IMAGE, TEXT, VIDEO, mrope_positions, mrope_tables
 from loongforge.core.foundation.qwen2_5_vl_vision import QWEN25_VISION_TABLE, Qwen25VisionConfig, Qwen25VisionTower, grid_rows
+from loongforge.core.foundation.qwen3_vl_vision import QWEN3_VISION_TABLE, Qwen3VisionConfig, Qwen3VisionTower
 from loongforge.core.foundation.spec import FamilySpec, ModelConfig, build_gpt_model
 from loongforge.core.ops import OpTable
 from loongforge.core.ops.reference import rope_inv_freq
 from torch import nn
 
-HF_ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
-HF_MODEL_TYPE = "qwen2_5_vl"
+
+@dataclass(frozen=True)
+class VLMArch:
+    """One HF VLM architecture: its vision tower and the names its checkpoints use."""
+
+    name: str  # `model.arch`, the HF model_type
+    hf_architecture: str
+    family: str  # the language family of its HF checkpoints
+    vision_config: type
+    tower: type
+    vision_table: tuple
+    vision_prefix: str  # the tower's names in HF checkpoints
+    language_prefix: str  # the language model's `model.` names in HF checkpoints
+    frames_apart: bool  # video frames each their own vision item (timestamps between them)
+
+
+ARCHS = {
+    a.name: a
+    for a in (
+        VLMArch(
+            "qwen2_5_vl",
+            "Qwen2_5_VLForConditionalGeneration",
+            "qwen2",
+            Qwen25VisionConfig,
+            Qwen25VisionTower,
+            QWEN25_VISION_TABLE,
+            "visual.",
+            "model.",
+            False,
+        ),
+        VLMArch(
+            "qwen3_vl",
+            "Qwen3VLForConditionalGeneration",
+            "qwen3",
+            Qwen3VisionConfig,
+            Qwen3VisionTower,
+            QWEN3_VISION_TABLE,
+            "model.visual.",
+            "model.language_model.",
+            True,
+        ),
+    )
+}
+VISION_PLACEHOLDERS = {"i": "v", "j": "vd"}  # the tower's rows' placeholders beside the language model's
+
+
+def vlm_arch(name: str) -> VLMArch:
+    if name not in ARCHS:
+        raise UserError(f"model.arch={name!r} is not a supported VLM architecture (supported: {', '.join(ARCHS)})")
+    return ARCHS[name]
 
 
 @dataclass
 class VLMConfig:
     """The composed model: vision tower, language model and the special token ids that join them."""
 
-    vision: Qwen25VisionConfig = field(default_factory=Qwen25VisionConfig)
+    arch: str = "qwen2_5_vl"  # the vision tower and checkpoint layout: qwen2_5_vl | qwen3_vl
+    vision: Dict[str, Any] = field(default_factory=dict)  # the arch's vision tower's fields (`tower`)
     language: ModelConfig = field(default_factory=lambda: ModelConfig(family="qwen2"))
     image_token_id: int = 151655
     video_token_id: int = 151656
@@ -45,9 +98,27 @@ class VLMConfig:
     vision_end_token_id: int = 151653
     tokens_per_second: int = 2  # video: M-RoPE time positions per second of video
 
+    @property
+    def tower(self):
+        """The arch's vision config from `vision` (its defaults where not given; a UserError naming
+        a field the arch's tower does not have)."""
+        kind = vlm_arch(self.arch).vision_config
+        known = {f.name for f in dataclasses.fields(kind)}
+        unknown = sorted(set(self.vision) - known)
+        if unknown:
+            raise UserError(
+                f"model.vision.{unknown[0]} is not a field of the {self.arch} vision tower (fields: {', '.join(sorted(known))})"
+            )
+        return kind(**self.vision)
+
     # the mapping rows' placeholders and fused-q/k/v transforms read these
     def repeats(self) -> dict[str, int]:
-        return {**self.language.repeats(), "v": self.vision.depth}
+        return {**self.language.repeats(), **{VISION_PLACEHOLDERS[k]: n for k, n in self.tower.repeats().items()}}
+
+    @property
+    def deepstack_layers(self) -> int:
+        """How many first language layers get DeepStack features added (Qwen3-VL)."""
+        return len(self.vision.get("deepstack_visual_indexes", ()))
 
     @property
     def num_query_groups(self) -> int:
@@ -67,7 +138,7 @@ class VLMConfig:
 
     def check(self) -> None:
         """The parts against each other: one UserError naming the key."""
-        lang, vis = self.language, self.vision
+        lang, vis = self.language, self.tower
         if vis.out_hidden_size != lang.hidden_size:
             raise UserError(
                 f"model.vision.out_hidden_size={vis.out_hidden_size} must equal model.language.hidden_size={lang.hidden_size} "
@@ -79,21 +150,26 @@ class VLMConfig:
                 f"model.language.mrope_section={list(lang.mrope_section)} must sum to the {rot} rotary pairs of a head "
                 f"(head_dim {lang.kv_channels} / 2)"
             )
-        ids = {
-            "image_token_id": self.image_token_id,
-            "video_token_id": self.video_token_id,
-            "vision_start_token_id": self.vision_start_token_id,
-            "vision_end_token_id": self.vision_end_token_id,
-        }
-        for k, v in ids.items():
-            if not 0 <= v < lang.vocab_size:
-                raise UserError(f"model.{k}={v} is outside the vocabulary (model.language.vocab_size={lang.vocab_size})")
+        if self.deepstack_layers > lang.num_layers:
+            raise UserError(
+                f"model.vision.deepstack_visual_indexes has {self.deepstack_layers} layers but the language model only "
+                f"{lang.num_layers} to add them to"
+            )
+        for k in VLM_ID_KEYS:
+            if not 0 <= getattr(self, k) < lang.vocab_size:
+                raise UserError(f"model.{k}={getattr(self, k)} is outside the vocabulary (model.language.vocab_size={lang.vocab_size})")
 
 
-def vlm_table(family: FamilySpec) -> tuple:
-    """HF checkpoint names <-> ours: the tower under `visual.`/`vision.`, the family's rows under
-    `language.` (its HF names as they are)."""
-    return (*prefixed(QWEN25_VISION_TABLE, "vision.", "visual.", {"i": "v"}), *prefixed(family.mapping, "language."))
+def vlm_table(family: FamilySpec, arch: str) -> tuple:
+    """HF checkpoint names <-> ours: the tower under `vision.` (HF: the arch's prefix), the family's
+    rows under `language.` (HF: its names with `model.` as the arch places the language model)."""
+    a = vlm_arch(arch)
+
+    def language(row):
+        hf = tuple(a.language_prefix + h.removeprefix("model.") if h.startswith("model.") else h for h in row.hf)
+        return dataclasses.replace(row, lf="language." + row.lf, hf=hf)
+
+    return (*prefixed(a.vision_table, "vision.", a.vision_prefix, VISION_PLACEHOLDERS), *map(language, family.mapping))
 
 
 class VisionLanguageModel(nn.Module):
@@ -109,6 +185,7 @@ class VisionLanguageModel(nn.Module):
         inv = rope_inv_freq(int(lang.kv_channels * lang.rotary_percent), lang.rope_theta, lang.rope_scaling)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.sections = list(lang.mrope_section) if lang.mrope_section else [inv.numel(), 0, 0]
+        self.interleaved = lang.mrope_interleaved
 
     @classmethod
     def build(
@@ -118,7 +195,17 @@ class VisionLanguageModel(nn.Module):
         cfg.check()
         ops = ops or OpTable()
         language = build_gpt_model(cfg.language, ctx, ops, params_dtype, recompute, lora)
-        vision = Qwen25VisionTower(cfg.vision, ops).to(params_dtype) if ctx.is_first_stage else None
+        vision = vlm_arch(cfg.arch).tower(cfg.tower, ops).to(params_dtype) if ctx.is_first_stage else None
+        if cfg.deepstack_layers and ctx.is_first_stage:
+            from loongforge.core.foundation.layers import add_layer_additions
+
+            layers = [layer for layer in language.decoder.layers if layer.layer_number <= cfg.deepstack_layers]
+            if len(layers) < cfg.deepstack_layers:
+                raise UserError(
+                    f"the first pipeline stage holds {len(layers)} language layers but DeepStack adds features to the first "
+                    f"{cfg.deepstack_layers}: lower parallel.pipeline_model_parallel_size"
+                )
+            add_layer_additions(layers)
         if vision is not None:
             from loongforge.core.parallel.split_data import SPLIT_DATA_ATTR
 
@@ -147,48 +234,57 @@ class VisionLanguageModel(nn.Module):
             )
         return sd
 
-    def embed(self, tokens, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
-        """Token embeddings [T, 1, hidden] with the vision features in place of the pad tokens."""
+    def embed(self, tokens, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None):
+        """(token embeddings [T, 1, hidden] with the vision features in place of the pad tokens,
+        each DeepStack layer's additions [T, 1, hidden] (zero off the vision tokens; Qwen3-VL))."""
         x = self.language.embedding(input_ids=tokens, position_ids=None)
+        deep = [torch.zeros_like(x) for _ in range(self.cfg.deepstack_layers)]
         for pixels, grid, pad in (
             (pixel_values, image_grid_thw, self.cfg.image_token_id),
             (pixel_values_videos, video_grid_thw, self.cfg.video_token_id),
         ):
             mask = (tokens == pad).transpose(0, 1)[..., None]  # [T, 1, 1]
             feats = None if pixels is None else self.vision_features(pixels, grid, x.dtype)
-            _check_count(mask, 0 if feats is None else feats.shape[0], pad)
+            _check_count(mask, 0 if feats is None else feats[0].shape[0], pad)
             if feats is not None:
-                x = x.masked_scatter(mask, feats)
-        return x
+                x = x.masked_scatter(mask, feats[0])
+                deep = [d.masked_scatter(mask, f) for d, f in zip(deep, feats[1:])]
+        return x, deep
 
-    def vision_features(self, pixels, grid, dtype) -> torch.Tensor:
-        """The merged features of every image (video) of the pack, in order. With TP > 1 each rank
-        of the language model's TP group (which share the pack) encodes a contiguous share of the
-        items and the shares are gathered: the ViT is data parallel over all ranks."""
+    def vision_features(self, pixels, grid, dtype) -> list[torch.Tensor]:
+        """[the merged features of every image (video) of the pack, in order, then each DeepStack
+        layer's]. With TP > 1 each rank of the language model's TP group (which share the pack)
+        encodes a contiguous share of the items and the shares are gathered: the ViT is data
+        parallel over all ranks."""
         group = self.language.tp_group
         if group is None or group.size() == 1:
-            return self.vision(pixels, grid).to(dtype)
+            return [f.to(dtype) for f in self._encode(pixels, grid)]
         from loongforge.core.parallel.split_data import gather_rows, split_items
 
         rows = grid_rows(grid)
         sizes = [t * h * w for t, h, w in rows]
         bounds = split_items(sizes, group.size())
         start, stop = bounds[group.rank()]
-        merge = self.cfg.vision.spatial_merge_size**2
+        merge = self.cfg.tower.spatial_merge_size**2
         counts = [sum(sizes[a:b]) // merge for a, b in bounds]
         if stop > start:
             first = sum(sizes[:start])
-            mine = self.vision(pixels[first : first + sum(sizes[start:stop])], rows[start:stop]).to(dtype)
+            mine = self._encode(pixels[first : first + sum(sizes[start:stop])], rows[start:stop])
         else:
-            mine = pixels.new_zeros(0, self.cfg.vision.out_hidden_size, dtype=dtype)
-        return gather_rows(mine, group, counts)
+            empty = pixels.new_zeros(0, self.cfg.tower.out_hidden_size, dtype=dtype)
+            mine = [empty] * (1 + self.cfg.deepstack_layers)
+        return [gather_rows(f.to(dtype), group, counts) for f in mine]
+
+    def _encode(self, pixels, grid) -> list[torch.Tensor]:
+        out = self.vision(pixels, grid)
+        return [out[0], *out[1]] if isinstance(out, tuple) else [out]
 
     def rotary_pack(self, positions: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None):
         """The pack's bounds with each token's M-RoPE tables; `max_seqlen` (its longest sample)
         from the data side spares a host sync."""
         from loongforge.core.foundation.layers import rotary_pack_class
 
-        cos, sin = mrope_tables(positions, self.inv_freq, self.sections)
+        cos, sin = mrope_tables(positions, self.inv_freq, self.sections, self.interleaved)
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else int(max_seqlen)
         cu = cu_seqlens.to(torch.int32)
         return rotary_pack_class()(
@@ -198,7 +294,8 @@ class VisionLanguageModel(nn.Module):
     def forward(self, tokens, positions, cu_seqlens, labels=None, loss_weights=None, decoder_input=None, max_seqlen=None, **vision_inputs):
         packed = self.rotary_pack(positions, cu_seqlens, max_seqlen)
         if self.vision is not None and decoder_input is None:
-            decoder_input = self.embed(tokens, **vision_inputs)
+            decoder_input, deep = self.embed(tokens, **vision_inputs)
+            packed.layer_additions = dict(enumerate(deep)) or None
         return self.language(
             tokens, None, None, decoder_input=decoder_input, labels=labels, loss_mask=loss_weights, packed_seq_params=packed
         )
@@ -271,12 +368,13 @@ class VisionLanguageModel(nn.Module):
             raise UserError(f"vision weights do not fit the model: {str(e).splitlines()[0]}") from None
 
     def hf_state_dict(self) -> dict:
-        return lf_to_hf(vlm_table(self.family), self.lf_state(merged=True), self.cfg)
+        return lf_to_hf(vlm_table(self.family, self.cfg.arch), self.lf_state(merged=True), self.cfg)
 
     def save_hf(self, out_dir, dtype: torch.dtype = torch.float32) -> None:
-        if self.family.name != "qwen2":
+        arch = vlm_arch(self.cfg.arch)
+        if self.family.name != arch.family:
             raise UserError(
-                f"HF export writes Qwen2_5_VLForConditionalGeneration, whose language model is Qwen2; this model's is {self.family.name}"
+                f"HF export writes {arch.hf_architecture}, whose language model is {arch.family}; this model's is {self.family.name}"
             )
         hf_io.save_hf_dir(out_dir, hf_config(self.cfg, self.family, dtype), self.hf_state_dict(), dtype)
 
@@ -284,7 +382,7 @@ class VisionLanguageModel(nn.Module):
     def from_hf(cls, hf_dir, families: dict, ctx, ops=None) -> "VisionLanguageModel":
         family, cfg = read_hf_config(hf_dir, families)
         model = cls.build(family, cfg, ctx, ops)
-        model.load_lf(hf_to_lf(vlm_table(family), hf_io.load_hf_state(hf_dir), model.cfg))
+        model.load_lf(hf_to_lf(vlm_table(family, cfg.arch), hf_io.load_hf_state(hf_dir), model.cfg))
         return model
 
 
@@ -308,8 +406,10 @@ def token_types(cfg: VLMConfig, ids: torch.Tensor) -> torch.Tensor:
 def sample_positions(cfg: VLMConfig, types: torch.Tensor, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None, start=(0, 0)):
     """M-RoPE rows [3, T] of one sample's token types, its images and videos the grids from index
     `start` on; returns (rows, the indices after this sample's items)."""
-    merge = cfg.vision.spatial_merge_size
+    merge = cfg.tower.spatial_merge_size
     grids = [[] if g is None else [tuple(r) for r in g.tolist()] for g in (image_grid_thw, video_grid_thw)]
+    if vlm_arch(cfg.arch).frames_apart:  # each frame its own item at time 0 (timestamps in the text between)
+        grids[1] = [(1, h, w) for t, h, w in grids[1] for _ in range(t)]
     counts = [_items(types, kind) for kind in (IMAGE, VIDEO)]
     seconds = [] if second_per_grid_ts is None else [float(s) for s in second_per_grid_ts]
     pos = mrope_positions(
@@ -329,32 +429,32 @@ def _items(types: torch.Tensor, kind: int) -> int:
     return int(((t[1:] - t[:-1]) == 1).sum() + t[0]) if len(t) else 0
 
 
-# Qwen2_5_VLConfig's keys beside text_config / vision_config
+# the HF configs' keys beside text_config / vision_config
 VLM_ID_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 def read_hf_config(hf_dir, families: dict) -> tuple[FamilySpec, VLMConfig]:
-    """A Qwen2.5-VL directory's config: nested (transformers 5: `text_config`) or flat (the
-    published checkpoints: text keys at the top)."""
+    """A Qwen2.5-VL or Qwen3-VL directory's config: nested (transformers 5: `text_config`) or flat
+    (Qwen2.5-VL's published checkpoints: text keys at the top)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise UserError(f"{hf_dir}: not an HF model directory (no config.json)")
     c = json.loads(path.read_text())
-    if c.get("model_type") != HF_MODEL_TYPE:
-        raise UserError(f"{hf_dir}: model_type {c.get('model_type')!r} is not a supported VLM (supported: {HF_MODEL_TYPE})")
+    if c.get("model_type") not in ARCHS:
+        raise UserError(f"{hf_dir}: model_type {c.get('model_type')!r} is not a supported VLM (supported: {', '.join(ARCHS)})")
+    arch = ARCHS[c["model_type"]]
     vision = dict(c.get("vision_config") or {})
     if "text_config" in c:
         text = dict(c["text_config"])
     else:
         text = {k: v for k, v in c.items() if k not in ("vision_config", *VLM_ID_KEYS, "architectures")}
-    text["model_type"] = "qwen2_5_vl_text"
-    text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", False))
-    if "tie_word_embeddings" in c:
-        text["tie_word_embeddings"] = c["tie_word_embeddings"] or text["tie_word_embeddings"]
+    text["model_type"] = f"{arch.name}_text"
+    text["tie_word_embeddings"] = bool(c.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
     family, lang = hf_io.model_config_from_hf(text, families, hf_dir)
     tps = vision.pop("tokens_per_second", 2)
     cfg = VLMConfig(
-        vision=Qwen25VisionConfig.from_hf(vision),
+        arch=arch.name,
+        vision=dataclasses.asdict(arch.vision_config.from_hf(vision)),
         language=family.resolve(lang),
         tokens_per_second=int(tps),
         **{k: int(c[k]) for k in VLM_ID_KEYS if k in c},
@@ -363,13 +463,16 @@ def read_hf_config(hf_dir, families: dict) -> tuple[FamilySpec, VLMConfig]:
 
 
 def hf_config(cfg: VLMConfig, family: FamilySpec, dtype=torch.float32) -> dict:
+    arch = vlm_arch(cfg.arch)
     text = hf_io.hf_config_dict(family, cfg.language, dtype)
     text.pop("architectures")
-    text["model_type"] = "qwen2_5_vl_text"
-    vision = {**cfg.vision.hf_config(), "model_type": "qwen2_5_vl_vision", "tokens_per_second": cfg.tokens_per_second}
+    text["model_type"] = f"{arch.name}_text"
+    vision = {**cfg.tower.hf_config(), "model_type": f"{arch.name}_vision"}
+    if not arch.frames_apart:
+        vision["tokens_per_second"] = cfg.tokens_per_second
     return {
-        "architectures": [HF_ARCHITECTURE],
-        "model_type": HF_MODEL_TYPE,
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.name,
         "text_config": text,
         "vision_config": vision,
         "tie_word_embeddings": cfg.language.tie_word_embeddings,
@@ -380,8 +483,4 @@ def hf_config(cfg: VLMConfig, family: FamilySpec, dtype=torch.float32) -> dict:
 
 def vlm_config_from_dict(d: dict) -> VLMConfig:
     """A VLMConfig from its asdict form (a manifest's or a run config's `model`)."""
-    return VLMConfig(
-        vision=Qwen25VisionConfig(**d["vision"]),
-        language=ModelConfig(**d["language"]),
-        **{k: v for k, v in d.items() if k not in ("vision", "language")},
-    )
+    return VLMConfig(language=ModelConfig(**d["language"]), **{k: v for k, v in d.items() if k != "language"})

@@ -53,7 +53,7 @@ def load_model(path) -> VisionLanguageModel:
     if not base or not Path(base).exists():
         raise UserError(f"{step} holds LoRA adapters; its base model {base!r} is not there")
     if hf_io.is_hf_dir(base):
-        model.load_lf(hf_to_lf(vlm_table(family), hf_io.load_hf_state(base), model.cfg))
+        model.load_lf(hf_to_lf(vlm_table(family, cfg.arch), hf_io.load_hf_state(base), model.cfg))
     else:
         base_step = find_checkpoint(base)
         if base_step is None:

@@ -30,7 +30,7 @@ from loongforge.core.train.precision import resolve_params_dtype
 from loongforge.core.train.run_dir import prepare_run_dir, run_identity, start_run_dir
 from loongforge.core.train.task import TrainingTask
 from loongforge.core.train.trainer import Trainer
-from loongforge.vlm.model import VisionLanguageModel, VLMConfig, read_hf_config, vlm_config_from_dict, vlm_table
+from loongforge.vlm.model import VisionLanguageModel, VLMConfig, read_hf_config, vlm_arch, vlm_config_from_dict, vlm_table
 from loongforge.vlm.model_io import families
 
 VISION_TOKENS = {
@@ -75,7 +75,7 @@ def resolve_model(cfg, tok) -> tuple[VLMConfig, str | None]:
     else:
         step = find_checkpoint(load)
         if step is None:
-            raise UserError(f"checkpoint.load={load}: neither an HF Qwen2.5-VL directory nor a LoongForge checkpoint")
+            raise UserError(f"checkpoint.load={load}: neither an HF VLM directory (Qwen2.5-VL, Qwen3-VL) nor a LoongForge checkpoint")
         mcfg, source = vlm_config_from_dict(read_manifest(step)["config"]["model"]), "lf"
     wrong = {k: (getattr(mcfg, k), v) for k, v in ids.items() if getattr(mcfg, k) != v}
     if wrong:
@@ -172,7 +172,7 @@ def processor_config(model: VLMConfig, image: dict):
     `data.image` settings (a dict: a manifest's, or the config's as a dict)."""
     from loongforge.vlm.data import VisionProcessorConfig
 
-    v = model.vision
+    v = model.tower
     keys = ("min_pixels", "max_pixels", "video_fps", "video_min_pixels", "video_max_pixels", "video_max_frames")
     return VisionProcessorConfig(
         patch_size=v.patch_size,
@@ -298,7 +298,7 @@ class VLMTask(TrainingTask):
             return 0
         src = self.cfg.checkpoint.load
         if self.source == "hf":
-            state = hf_to_lf(vlm_table(self.family), hf_io.load_hf_state(src), model.cfg)
+            state = hf_to_lf(vlm_table(self.family, model.cfg.arch), hf_io.load_hf_state(src), model.cfg)
             stack.load_full_state_dict(model, state, skip=is_adapter_key)
             return 0
         step = find_checkpoint(src)
@@ -307,7 +307,8 @@ class VLMTask(TrainingTask):
         return 0
 
     def on_saved(self, step_dir: Path, final: bool) -> None:
-        if final and self.cfg.checkpoint.export_hf and self.family.name == "qwen2" and dist.get_world_size() == 1:
+        exportable = self.family.name == vlm_arch(self.mcfg.arch).family
+        if final and self.cfg.checkpoint.export_hf and exportable and dist.get_world_size() == 1:
             from loongforge.vlm.model_io import export_hf
 
             with replaced_dir(self.run_dir / "hf") as out:

@@ -64,7 +64,15 @@ QWEN2 = FamilySpec(
     hf_qkv_bias_key=None,
     hf_model_type_aliases=("qwen2_5_vl_text",),  # Qwen2.5-VL's language model (its text_config): Qwen2 with M-RoPE
 )
-QWEN3 = FamilySpec("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, mapping=LLAMA_STYLE_TABLE)
+QWEN3 = FamilySpec(
+    "qwen3",
+    "qwen3",
+    "Qwen3ForCausalLM",
+    qkv_bias=False,
+    qk_norm=True,
+    mapping=LLAMA_STYLE_TABLE,
+    hf_model_type_aliases=("qwen3_vl_text",),  # Qwen3-VL's language model: Qwen3 with interleaved M-RoPE
+)
 
 # HF config keys every strict family accepts without reading them: metadata and inference options
 HF_METADATA_KEYS = (

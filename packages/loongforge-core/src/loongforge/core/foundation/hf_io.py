@@ -45,6 +45,7 @@ def model_config_from_hf(c: dict, families: dict[str, FamilySpec], hf_dir) -> tu
     rope.pop("rope_theta", None)
     partial = rope.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     mrope = rope.pop("mrope_section", None)
+    interleaved = bool(rope.pop("mrope_interleaved", False))
     # (configs before transformers 5 call M-RoPE's plain rotary angles rope_type "mrope")
     scaling = rope if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope") else None
     heads = c["num_attention_heads"]
@@ -63,6 +64,7 @@ def model_config_from_hf(c: dict, families: dict[str, FamilySpec], hf_dir) -> tu
         rope_scaling=scaling,
         rotary_percent=float(partial),
         mrope_section=list(mrope) if mrope else None,
+        mrope_interleaved=interleaved,
         norm_eps=c.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=bool(c.get(fam.hf_qkv_bias_key, fam.qkv_bias)) if fam.hf_qkv_bias_key else fam.qkv_bias,
@@ -127,6 +129,8 @@ def hf_config_dict(fam: FamilySpec, cfg: ModelConfig, dtype: torch.dtype, extra:
         rope_params["partial_rotary_factor"] = cfg.rotary_percent
     if cfg.mrope_section:
         rope_params["mrope_section"] = list(cfg.mrope_section)
+        if cfg.mrope_interleaved:
+            rope_params["mrope_interleaved"] = True
     d = {
         "architectures": [fam.hf_architecture],
         "model_type": fam.hf_model_type,

@@ -94,7 +94,8 @@ class RotarySDPAttention(nn.Module):
 @functools.cache
 def rotary_pack_class():
     """megatron-core's PackedSeqParams with each token's rotary angles: `rotary_cos` / `rotary_sin`
-    [tokens, 1, rot / 2] (op `rotary`'s tables, half-split pairs). Models whose positions are not
+    [tokens, 1, rot / 2] (op `rotary`'s tables, half-split pairs), and `layer_additions` (see
+    `add_layer_additions`). Models whose positions are not
     0..n-1 in each sample (M-RoPE's three rows) build them once per forward; every attention layer
     of the pack rotates by them instead of by its own positions.
 
@@ -107,8 +108,27 @@ def rotary_pack_class():
     class RotaryPackedSeqParams(PackedSeqParams):
         rotary_cos: Optional[torch.Tensor] = None
         rotary_sin: Optional[torch.Tensor] = None
+        # decoder layer (0-based) -> a tensor added to its output (Qwen3-VL's DeepStack features
+        # at the vision tokens): riding with the pack, they reach a layer recomputed in backward too
+        layer_additions: Optional[dict] = None
 
     return RotaryPackedSeqParams
+
+
+def add_layer_additions(layers) -> None:
+    """Hook megatron decoder layers so that each adds its `packed_seq_params.layer_additions` entry
+    (by its 0-based global number) to its output hidden states."""
+
+    def hook(layer, args, kwargs, output):
+        additions = getattr(kwargs.get("packed_seq_params"), "layer_additions", None)
+        extra = None if not additions else additions.get(layer.layer_number - 1)
+        if extra is None:
+            return output
+        hidden, context = output
+        return hidden + extra.to(hidden.dtype), context
+
+    for layer in layers:
+        layer.register_forward_hook(hook, with_kwargs=True)
 
 
 def rotary_tables(packed_seq_params) -> tuple[torch.Tensor, torch.Tensor] | None:

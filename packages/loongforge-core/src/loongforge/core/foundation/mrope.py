@@ -56,13 +56,22 @@ def mrope_positions(
     return torch.cat(rows, dim=1) if rows else torch.zeros(3, 0, dtype=torch.long)
 
 
-def mrope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, sections) -> tuple[torch.Tensor, torch.Tensor]:
+def mrope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, sections, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin [tokens, 1, rot / 2] for op `rotary` (half-split pairs, as HF rotates): channel pair
-    c takes its angle from the position row of the section it falls in (time, height, width)."""
+    c takes its angle from the position row of the section it falls in (time, height, width), or
+    with `interleaved` (Qwen3-VL) from row c % 3 among the first 3 x section pairs of that row
+    (the time row elsewhere)."""
     if sum(sections) != inv_freq.numel():
         raise ValueError(f"mrope sections {list(sections)} must sum to the {inv_freq.numel()} rotary pairs")
-    inv, bounds = inv_freq.float().to(positions.device), [0, *itertools.accumulate(sections)]
-    # section by section: no index tensor to copy to the device (a host sync per forward)
-    parts = [positions[r].float()[:, None] * inv[a:b] for r, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
-    angles = torch.cat(parts, dim=1)  # [tokens, rot/2]
+    inv = inv_freq.float().to(positions.device)
+    # slices only: no index tensor to copy to the device (a host sync per forward)
+    if interleaved:
+        angles = positions[0].float()[:, None] * inv
+        for r in (1, 2):
+            picked = slice(r, 3 * sections[r], 3)
+            angles[:, picked] = positions[r].float()[:, None] * inv[picked]
+    else:
+        bounds = [0, *itertools.accumulate(sections)]
+        parts = [positions[r].float()[:, None] * inv[a:b] for r, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+        angles = torch.cat(parts, dim=1)  # [tokens, rot/2]
     return angles.cos()[:, None], angles.sin()[:, None]

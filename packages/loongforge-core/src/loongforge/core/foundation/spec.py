@@ -34,6 +34,8 @@ class ModelConfig:
     # M-RoPE (Qwen2-VL / Qwen2.5-VL): rotary pairs per position row (time, height, width); the
     # model hands each token's angle tables to the layers (foundation.layers.rotary_tables)
     mrope_section: Optional[List[int]] = None
+    # Qwen3-VL: the rows' pairs interleaved (time, height, width, time, ...) instead of in sections
+    mrope_interleaved: bool = False
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: Optional[bool] = None  # None: the family's default
