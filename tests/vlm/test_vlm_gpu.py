@@ -41,10 +41,11 @@ def test_bf16_logits_close_to_hf_fp32(hf_dir):  # noqa: F811
 
 
 def test_training_step_makes_no_host_sync(hf_dir):  # noqa: F811
-    """Forward and backward of a pack on the device (the grids and the longest sample on the
-    host, as `VLMTask.device_pack` gives them) under torch's sync debug mode set to raise."""
+    """Forward and backward of a pack on the device (the grids, the longest sample and the pad
+    tokens' positions from the host, as `VLMTask.device_pack` gives them) under torch's sync debug
+    mode set to raise."""
     from loongforge.core.accelerator import to_device
-    from loongforge.vlm.model import sample_positions, token_types
+    from loongforge.vlm.model import sample_positions, token_types, vision_index
 
     model = cuda_model(hf_dir).train()
     b = batch()
@@ -58,6 +59,7 @@ def test_training_step_makes_no_host_sync(hf_dir):  # noqa: F811
         "labels": torch.roll(row, -1)[None],
         "loss_weights": torch.ones(1, n),
         "pixel_values": b["pixel_values"].bfloat16(),
+        **vision_index(model.cfg, row[None]),
     }
     dev = {k: to_device(v, "cuda") for k, v in pack.items()}
     assert int((row == IMG).sum()) == 28
@@ -73,6 +75,8 @@ def test_training_step_makes_no_host_sync(hf_dir):  # noqa: F811
             max_seqlen=n,
             pixel_values=dev["pixel_values"],
             image_grid_thw=b["image_grid_thw"],
+            image_index=dev["image_index"],
+            video_index=dev["video_index"],
         )
         out.sum().backward()
     finally:

@@ -225,7 +225,7 @@ def test_packs_balanced_across_ranks():
     cfg = VLMRunConfig()
     cfg.train.global_batch_size = 8
     costs = [float(1 + (i % 7) ** 3) for i in range(40)]
-    packs = [{"id": torch.tensor(i), "cu_seqlens": torch.tensor([0, 4])} for i in range(40)]
+    packs = [{"id": torch.tensor(i), "tokens": torch.zeros(1, 4, dtype=torch.long), "cu_seqlens": torch.tensor([0, 4])} for i in range(40)]
 
     def shares(balance):
         cfg.data.balance = balance

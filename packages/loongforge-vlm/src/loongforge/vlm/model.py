@@ -234,18 +234,37 @@ class VisionLanguageModel(nn.Module):
             )
         return sd
 
-    def embed(self, tokens, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None):
+    def embed(
+        self,
+        tokens,
+        pixel_values=None,
+        image_grid_thw=None,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        image_index=None,
+        video_index=None,
+    ):
         """(token embeddings [T, 1, hidden] with the vision features in place of the pad tokens,
-        each DeepStack layer's additions [T, 1, hidden] (zero off the vision tokens; Qwen3-VL))."""
+        each DeepStack layer's additions [T, 1, hidden] (zero off the vision tokens; Qwen3-VL)).
+        `image_index` / `video_index`: the pad tokens' positions, found on the host (`vision_index`),
+        spare the host sync that placing features by a device mask costs in backward."""
         x = self.language.embedding(input_ids=tokens, position_ids=None)
         deep = [torch.zeros_like(x) for _ in range(self.cfg.deepstack_layers)]
-        for pixels, grid, pad in (
-            (pixel_values, image_grid_thw, self.cfg.image_token_id),
-            (pixel_values_videos, video_grid_thw, self.cfg.video_token_id),
+        for pixels, grid, pad, index in (
+            (pixel_values, image_grid_thw, self.cfg.image_token_id, image_index),
+            (pixel_values_videos, video_grid_thw, self.cfg.video_token_id, video_index),
         ):
-            mask = (tokens == pad).transpose(0, 1)[..., None]  # [T, 1, 1]
             feats = None if pixels is None else self.vision_features(pixels, grid, x.dtype)
-            _check_count(mask, 0 if feats is None else feats[0].shape[0], pad)
+            n = 0 if feats is None else feats[0].shape[0]
+            if index is not None:
+                if index.numel() != n:
+                    raise ValueError(f"{index.numel()} pad tokens {pad} but {n} vision features for them")
+                if feats is not None:
+                    x = x.index_put((index,), feats[0][:, None])
+                    deep = [d.index_put((index,), f[:, None]) for d, f in zip(deep, feats[1:])]
+                continue
+            mask = (tokens == pad).transpose(0, 1)[..., None]  # [T, 1, 1]
+            _check_count(mask, n, pad)
             if feats is not None:
                 x = x.masked_scatter(mask, feats[0])
                 deep = [d.masked_scatter(mask, f) for d, f in zip(deep, feats[1:])]
@@ -384,6 +403,15 @@ class VisionLanguageModel(nn.Module):
         model = cls.build(family, cfg, ctx, ops)
         model.load_lf(hf_to_lf(vlm_table(family, cfg.arch), hf_io.load_hf_state(hf_dir), model.cfg))
         return model
+
+
+def vision_index(cfg: VLMConfig, tokens: torch.Tensor) -> dict:
+    """The image and video pad tokens' positions in a pack's tokens [1, T] (on the host), as
+    `embed` takes them."""
+    row = tokens.reshape(-1)
+    return {
+        f"{kind}_index": (row == pad).nonzero().squeeze(1) for kind, pad in (("image", cfg.image_token_id), ("video", cfg.video_token_id))
+    }
 
 
 def _check_count(mask: torch.Tensor, features: int, pad: int) -> None:

@@ -30,7 +30,7 @@ from loongforge.core.train.precision import resolve_params_dtype
 from loongforge.core.train.run_dir import prepare_run_dir, run_identity, start_run_dir
 from loongforge.core.train.task import TrainingTask
 from loongforge.core.train.trainer import Trainer
-from loongforge.vlm.model import VisionLanguageModel, VLMConfig, read_hf_config, vlm_arch, vlm_config_from_dict, vlm_table
+from loongforge.vlm.model import VisionLanguageModel, VLMConfig, read_hf_config, vision_index, vlm_arch, vlm_config_from_dict, vlm_table
 from loongforge.vlm.model_io import families
 
 VISION_TOKENS = {
@@ -270,16 +270,18 @@ class VLMTask(TrainingTask):
 
     def device_pack(self, pack: dict) -> dict:
         """A pack as the model takes it: on the device without host syncs (pinned copies), the
-        vision grids kept on the host (the model reads them as sizes), the longest sample read
-        here rather than from the device."""
+        vision grids kept on the host (the model reads them as sizes), the longest sample and the
+        pad tokens' positions found here rather than on the device."""
         if self.ctx is not None and self.ctx.pp_size > 1:  # fixed-shape activations between stages
             pack = padded(pack, self.cfg.data.seq_length)
+        if self.ctx is None or self.ctx.is_first_stage:
+            pack = {**pack, **vision_index(self.mcfg, pack["tokens"])}
         out = {k: (v if k in VISION_GRIDS else to_device(v, self.device)) for k, v in pack.items()}
         out["max_seqlen"] = int(torch.diff(pack["cu_seqlens"]).max())
         return out
 
     def loss(self, model, mb):
-        vision = {k: mb[k] for k in VISION_INPUTS if mb.get(k) is not None}
+        vision = {k: mb[k] for k in (*VISION_INPUTS, "image_index", "video_index") if mb.get(k) is not None}
         out = model(
             mb["tokens"],
             mb["positions"],
