@@ -194,21 +194,23 @@ def test_varlen_attention_gpu(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_packed_attention_gpu(dtype):
+@pytest.mark.parametrize("head", [80, 12])
+def test_packed_attention_gpu(dtype, head):
     """Bidirectional, separate query and key bounds (a ViT's windows; cross-attention to each
-    sample's own context), head size 80 (Qwen2.5-VL's ViT)."""
+    sample's own context), head size 80 (Qwen2.5-VL's ViT) and 12 (not a multiple of 8: the flash
+    kernel refuses it, the reference runs)."""
     from loongforge.kernels.varlen_attention import packed_attention
 
     cu_q = torch.tensor([0, 64, 128, 150, 400], device="cuda", dtype=torch.int32)
     cu_k = torch.tensor([0, 64, 100, 180, 181], device="cuda", dtype=torch.int32)
-    q = torch.randn(400, 4, 80, device="cuda", dtype=dtype)
-    k = torch.randn(181, 4, 80, device="cuda", dtype=dtype)
-    v = torch.randn(181, 4, 80, device="cuda", dtype=dtype)
+    q = torch.randn(400, 4, head, device="cuda", dtype=dtype)
+    k = torch.randn(181, 4, head, device="cuda", dtype=dtype)
+    v = torch.randn(181, 4, head, device="cuda", dtype=dtype)
     check(
         lambda a, b, c: packed_attention(a, b, c, cu_q, cu_k),
         lambda a, b, c: ref.packed_attention(a, b, c, cu_q, cu_k),
         [q, k, v],
-        torch.randn(400, 4, 80, device="cuda"),
+        torch.randn(400, 4, head, device="cuda"),
     )
 
 

@@ -2,8 +2,8 @@
 (`torch.nn.attention.varlen.varlen_attn`, CUDA, fp16/bf16): one launch for the whole pack,
 never attending across samples; causal (`varlen_attention`: packed LLM samples) or bidirectional
 with separate query and key bounds (`packed_attention`: a ViT's windows and images, a diffusion
-transformer's samples). Other dtypes, devices, torch builds and value head sizes other than the
-query's use core's reference."""
+transformer's samples). Other dtypes, devices, torch builds, head sizes the kernel does not take
+(not a multiple of 8, over 256) and value head sizes other than the query's use core's reference."""
 
 from __future__ import annotations
 
@@ -24,8 +24,11 @@ def _torch_varlen():
 def _flash(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale):
     """The flash varlen call, or None where it does not apply (the caller's reference runs)."""
     fn, params = _torch_varlen()
-    # (the flash kernel takes one head size for queries, keys and values: MLA's differ)
+    # (the flash kernel takes one head size for queries, keys and values, MLA's differ; a multiple
+    # of 8 up to 256)
     if fn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or v.shape[-1] != q.shape[-1]:
+        return None
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
         return None
     if scale is not None and "scale" not in params:
         return None

@@ -346,11 +346,11 @@ class VisionLanguageModel(nn.Module):
             positions.append(pos)
             lens.append(len(ids))
         tokens = torch.cat(rows)[None]
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=input_ids.device)
         vision = dict(
             pixel_values=pixel_values, image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw
         )
-        logits = self(tokens, torch.cat(positions, dim=1), cu, **vision)
+        logits = self(tokens, torch.cat(positions, dim=1).to(input_ids.device), cu, **vision)
         out = logits.new_zeros(b, s, logits.shape[-1])
         out[keep] = logits[0]
         return out
