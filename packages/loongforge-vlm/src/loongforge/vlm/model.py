@@ -31,6 +31,7 @@ from loongforge.core.foundation.qwen3_vl_vision import QWEN3_VISION_TABLE, Qwen3
 from loongforge.core.foundation.spec import FamilySpec, ModelConfig, build_gpt_model
 from loongforge.core.ops import OpTable
 from loongforge.core.ops.reference import rope_inv_freq
+from loongforge.vlm.data.encode import CLIP_MEAN, CLIP_STD
 from torch import nn
 
 
@@ -47,6 +48,8 @@ class VLMArch:
     vision_prefix: str  # the tower's names in HF checkpoints
     language_prefix: str  # the language model's `model.` names in HF checkpoints
     frames_apart: bool  # video frames each their own vision item (timestamps between them)
+    image_mean: tuple  # the family's image normalization (its preprocessor_config.json)
+    image_std: tuple
 
 
 ARCHS = {
@@ -62,6 +65,8 @@ ARCHS = {
             "visual.",
             "model.",
             False,
+            CLIP_MEAN,
+            CLIP_STD,
         ),
         VLMArch(
             "qwen3_vl",
@@ -73,6 +78,8 @@ ARCHS = {
             "model.visual.",
             "model.language_model.",
             True,
+            (0.5, 0.5, 0.5),
+            (0.5, 0.5, 0.5),
         ),
     )
 }

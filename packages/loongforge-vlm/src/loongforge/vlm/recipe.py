@@ -172,12 +172,15 @@ def processor_config(model: VLMConfig, image: dict):
     `data.image` settings (a dict: a manifest's, or the config's as a dict)."""
     from loongforge.vlm.data import VisionProcessorConfig
 
-    v = model.tower
+    v, arch = model.tower, vlm_arch(model.arch)
     keys = ("min_pixels", "max_pixels", "video_fps", "video_min_pixels", "video_max_pixels", "video_max_frames")
     return VisionProcessorConfig(
         patch_size=v.patch_size,
         temporal_patch_size=v.temporal_patch_size,
         merge_size=v.spatial_merge_size,
+        image_mean=arch.image_mean,
+        image_std=arch.image_std,
+        videos=not arch.frames_apart,
         tokens_per_second=float(model.tokens_per_second),
         **{k: image[k] for k in keys if k in image},
     )

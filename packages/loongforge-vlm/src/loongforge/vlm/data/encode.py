@@ -71,6 +71,7 @@ class VisionProcessorConfig:
     video_max_pixels: int = 768 * 28 * 28
     video_max_frames: int = 768
     tokens_per_second: float = 2.0
+    videos: bool = True  # false: a sample with a video is a bad sample (video_unsupported)
 
     def __post_init__(self):
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "video_max_frames"):
@@ -261,6 +262,8 @@ class VisionSampleEncoder:
     def _videos(self, sources) -> dict | None:
         if not sources:
             return None
+        if not self.config.videos:
+            raise BadSample("video_unsupported", "this model's video prompts (timestamps between frames) are not built; drop the video")
         patches, grids = [], []
         for s in sources:
             p, grid = self._video(s)
