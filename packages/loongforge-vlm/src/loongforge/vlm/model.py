@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import torch
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf, prefixed
+from loongforge.core.foundation.llava_onevision import LlavaOnevisionConfig, LlavaOnevisionVision, llava_onevision_vision_table
 from loongforge.core.foundation.lora import merged_state
 from loongforge.core.foundation.model import load_lf_state, local_state
 from loongforge.core.foundation.mrope import IMAGE, TEXT, VIDEO, mrope_positions, mrope_tables
@@ -37,21 +39,28 @@ from torch import nn
 
 @dataclass(frozen=True)
 class VLMArch:
-    """One HF VLM architecture: its vision tower and the names its checkpoints use."""
+    """One HF VLM architecture: its vision tower, its inputs and the names its checkpoints use."""
 
     name: str  # `model.arch`, the HF model_type
     hf_architecture: str
     family: str  # the language family of its HF checkpoints
     vision_config: type
     tower: type
-    vision_table: tuple
-    vision_prefix: str  # the tower's names in HF checkpoints
-    language_prefix: str  # the language model's `model.` names in HF checkpoints
+    vision_table: tuple  # HF names as transformers 5 writes them
+    language_names: tuple  # (causal-LM name prefix, this architecture's) for the language model's HF names
+    grids: bool  # vision items given as (t, h, w) patch grids with M-RoPE positions (Qwen-VL); else LLaVA's image sizes, 1-D positions
     frames_apart: bool  # video frames each their own vision item (timestamps between them)
     image_mean: tuple  # the family's image normalization (its preprocessor_config.json)
     image_std: tuple
+    hf_ids: tuple  # (our token id field, the HF config's key)
+    projector: tuple  # the tower's parameter name prefixes that project into the language model
+    text_model_type: str | None  # its text_config's model_type (None: the family's own)
+    vision_from_hf: Callable[[dict], Any]  # the tower's config from the HF config.json
+    vision_to_hf: Callable[[Any], dict]  # the HF config.json entries of the tower's config
+    legacy_vision_table: tuple | None = None  # HF names of checkpoints written by transformers 4, where they differ
 
 
+QWEN_IDS = tuple((k, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"))
 ARCHS = {
     a.name: a
     for a in (
@@ -61,12 +70,17 @@ ARCHS = {
             "qwen2",
             Qwen25VisionConfig,
             Qwen25VisionTower,
-            QWEN25_VISION_TABLE,
-            "visual.",
-            "model.",
+            prefixed(QWEN25_VISION_TABLE, "", "visual."),
+            (),
+            True,
             False,
             CLIP_MEAN,
             CLIP_STD,
+            QWEN_IDS,
+            ("merger",),
+            "qwen2_5_vl_text",
+            lambda c: Qwen25VisionConfig.from_hf(c.get("vision_config") or {}),
+            lambda v: {"vision_config": {**v.hf_config(), "model_type": "qwen2_5_vl_vision"}},
         ),
         VLMArch(
             "qwen3_vl",
@@ -74,12 +88,36 @@ ARCHS = {
             "qwen3",
             Qwen3VisionConfig,
             Qwen3VisionTower,
-            QWEN3_VISION_TABLE,
-            "model.visual.",
-            "model.language_model.",
+            prefixed(QWEN3_VISION_TABLE, "", "model.visual."),
+            (("model.", "model.language_model."),),
+            True,
             True,
             (0.5, 0.5, 0.5),
             (0.5, 0.5, 0.5),
+            QWEN_IDS,
+            ("merger", "deepstack_mergers"),
+            "qwen3_vl_text",
+            lambda c: Qwen3VisionConfig.from_hf(c.get("vision_config") or {}),
+            lambda v: {"vision_config": {**v.hf_config(), "model_type": "qwen3_vl_vision"}},
+        ),
+        VLMArch(
+            "llava_onevision",
+            "LlavaOnevisionForConditionalGeneration",
+            "qwen2",
+            LlavaOnevisionConfig,
+            LlavaOnevisionVision,
+            llava_onevision_vision_table(),
+            (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+            False,
+            False,
+            (0.5, 0.5, 0.5),
+            (0.5, 0.5, 0.5),
+            (("image_token_id", "image_token_index"), ("video_token_id", "video_token_index")),
+            ("projector_", "image_newline"),
+            None,
+            LlavaOnevisionConfig.from_hf,
+            lambda v: v.hf_config(),
+            llava_onevision_vision_table(tower_prefix="vision_tower.vision_model."),
         ),
     )
 }
@@ -96,7 +134,7 @@ def vlm_arch(name: str) -> VLMArch:
 class VLMConfig:
     """The composed model: vision tower, language model and the special token ids that join them."""
 
-    arch: str = "qwen2_5_vl"  # the vision tower and checkpoint layout: qwen2_5_vl | qwen3_vl
+    arch: str = "qwen2_5_vl"  # the vision tower, its inputs and the checkpoint layout: qwen2_5_vl | qwen3_vl | llava_onevision
     vision: Dict[str, Any] = field(default_factory=dict)  # the arch's vision tower's fields (`tower`)
     language: ModelConfig = field(default_factory=lambda: ModelConfig(family="qwen2"))
     image_token_id: int = 151655
@@ -116,7 +154,10 @@ class VLMConfig:
             raise UserError(
                 f"model.vision.{unknown[0]} is not a field of the {self.arch} vision tower (fields: {', '.join(sorted(known))})"
             )
-        return kind(**self.vision)
+        hints = typing.get_type_hints(kind)
+        return kind(
+            **{k: hints[k](**v) if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict) else v for k, v in self.vision.items()}
+        )
 
     # the mapping rows' placeholders and fused-q/k/v transforms read these
     def repeats(self) -> dict[str, int]:
@@ -162,21 +203,37 @@ class VLMConfig:
                 f"model.vision.deepstack_visual_indexes has {self.deepstack_layers} layers but the language model only "
                 f"{lang.num_layers} to add them to"
             )
-        for k in VLM_ID_KEYS:
+        for k, _ in vlm_arch(self.arch).hf_ids:
             if not 0 <= getattr(self, k) < lang.vocab_size:
                 raise UserError(f"model.{k}={getattr(self, k)} is outside the vocabulary (model.language.vocab_size={lang.vocab_size})")
 
 
-def vlm_table(family: FamilySpec, arch: str) -> tuple:
-    """HF checkpoint names <-> ours: the tower under `vision.` (HF: the arch's prefix), the family's
-    rows under `language.` (HF: its names with `model.` as the arch places the language model)."""
+def vlm_table(family: FamilySpec, arch: str, legacy: bool = False) -> tuple:
+    """HF checkpoint names <-> ours: the tower's rows under `vision.` (HF: the architecture's names;
+    `legacy`: those of transformers 4 files where they differ), the family's rows under `language.`
+    (HF: its causal-LM names placed as the architecture places its language model)."""
     a = vlm_arch(arch)
 
-    def language(row):
-        hf = tuple(a.language_prefix + h.removeprefix("model.") if h.startswith("model.") else h for h in row.hf)
-        return dataclasses.replace(row, lf="language." + row.lf, hf=hf)
+    def hf_name(h: str) -> str:
+        for old, new in a.language_names:
+            if h.startswith(old):
+                return new + h.removeprefix(old)
+        return h
 
-    return (*prefixed(a.vision_table, "vision.", a.vision_prefix, VISION_PLACEHOLDERS), *map(language, family.mapping))
+    def language(row):
+        return dataclasses.replace(row, lf="language." + row.lf, hf=tuple(map(hf_name, row.hf)))
+
+    vision = a.legacy_vision_table if legacy and a.legacy_vision_table else a.vision_table
+    return (*prefixed(vision, "vision.", "", VISION_PLACEHOLDERS), *map(language, family.mapping))
+
+
+def hf_state_table(family: FamilySpec, arch: str, keys) -> tuple:
+    """`vlm_table` for a checkpoint holding `keys`: its transformers 4 names where it has them."""
+    a = vlm_arch(arch)
+    if not a.legacy_vision_table:
+        return vlm_table(family, arch)
+    own = {h for r in a.legacy_vision_table for h in r.hf} - {h for r in a.vision_table for h in r.hf}
+    return vlm_table(family, arch, legacy=any(h in keys for h in own))
 
 
 class VisionLanguageModel(nn.Module):
@@ -202,7 +259,10 @@ class VisionLanguageModel(nn.Module):
         cfg.check()
         ops = ops or OpTable()
         language = build_gpt_model(cfg.language, ctx, ops, params_dtype, recompute, lora)
-        vision = vlm_arch(cfg.arch).tower(cfg.tower, ops).to(params_dtype) if ctx.is_first_stage else None
+        arch = vlm_arch(cfg.arch)
+        if not arch.grids and ctx.tp_size > 1:
+            raise UserError(f"model.arch={cfg.arch}: its vision tower runs at tensor_model_parallel_size=1 only")
+        vision = arch.tower(cfg.tower, ops).to(params_dtype) if ctx.is_first_stage else None
         if cfg.deepstack_layers and ctx.is_first_stage:
             from loongforge.core.foundation.layers import add_layer_additions
 
@@ -241,27 +301,17 @@ class VisionLanguageModel(nn.Module):
             )
         return sd
 
-    def embed(
-        self,
-        tokens,
-        pixel_values=None,
-        image_grid_thw=None,
-        pixel_values_videos=None,
-        video_grid_thw=None,
-        image_index=None,
-        video_index=None,
-    ):
+    def embed(self, tokens, image_index=None, video_index=None, **vision_inputs):
         """(token embeddings [T, 1, hidden] with the vision features in place of the pad tokens,
         each DeepStack layer's additions [T, 1, hidden] (zero off the vision tokens; Qwen3-VL)).
-        `image_index` / `video_index`: the pad tokens' positions, found on the host (`vision_index`),
-        spare the host sync that placing features by a device mask costs in backward."""
+        `vision_inputs`: the HF processor's names (`pixel_values`, `image_grid_thw` or
+        `image_sizes`, ...). `image_index` / `video_index`: the pad tokens' positions, found on the
+        host (`vision_index`), spare the host sync that placing features by a device mask costs in
+        backward."""
         x = self.language.embedding(input_ids=tokens, position_ids=None)
         deep = [torch.zeros_like(x) for _ in range(self.cfg.deepstack_layers)]
-        for pixels, grid, pad, index in (
-            (pixel_values, image_grid_thw, self.cfg.image_token_id, image_index),
-            (pixel_values_videos, video_grid_thw, self.cfg.video_token_id, video_index),
-        ):
-            feats = None if pixels is None else self.vision_features(pixels, grid, x.dtype)
+        for kind, pad, index in (("image", self.cfg.image_token_id, image_index), ("video", self.cfg.video_token_id, video_index)):
+            feats = self.item_features(kind, vision_inputs, x.dtype)
             n = 0 if feats is None else feats[0].shape[0]
             if index is not None:
                 if index.numel() != n:
@@ -276,6 +326,18 @@ class VisionLanguageModel(nn.Module):
                 x = x.masked_scatter(mask, feats[0])
                 deep = [d.masked_scatter(mask, f) for d, f in zip(deep, feats[1:])]
         return x, deep
+
+    def item_features(self, kind: str, inputs: dict, dtype) -> list[torch.Tensor] | None:
+        """The features of the pack's images or videos (`kind`) from the processor's outputs, then
+        each DeepStack layer's; None without pixels."""
+        pixels = inputs.get("pixel_values" if kind == "image" else "pixel_values_videos")
+        if pixels is None:
+            return None
+        if vlm_arch(self.cfg.arch).grids:
+            return self.vision_features(pixels, inputs[f"{kind}_grid_thw"], dtype)
+        if kind == "video":
+            return [self.vision.video_features(pixels).to(dtype)]
+        return [self.vision(pixels, inputs["image_sizes"], inputs.get("batch_num_images")).to(dtype)]
 
     def vision_features(self, pixels, grid, dtype) -> list[torch.Tensor]:
         """[the merged features of every image (video) of the pack, in order, then each DeepStack
@@ -329,34 +391,23 @@ class VisionLanguageModel(nn.Module):
     # ---- HF processor outputs in, logits out ------------------------------------------------
 
     @torch.no_grad()
-    def hf_logits(
-        self,
-        input_ids,
-        attention_mask=None,
-        pixel_values=None,
-        image_grid_thw=None,
-        pixel_values_videos=None,
-        video_grid_thw=None,
-        second_per_grid_ts=None,
-        mm_token_type_ids=None,
-    ) -> torch.Tensor:
-        """HF-style call (the processor's outputs as keyword arguments): a padded batch -> logits
-        [batch, seq, vocab] (zeros at padding). Each row's kept tokens become one sample of a pack."""
+    def hf_logits(self, input_ids, attention_mask=None, mm_token_type_ids=None, second_per_grid_ts=None, **vision) -> torch.Tensor:
+        """HF-style call (the processor's outputs as keyword arguments: `pixel_values`,
+        `image_grid_thw` / `image_sizes`, ...): a padded batch -> logits [batch, seq, vocab] (zeros
+        at padding). Each row's kept tokens become one sample of a pack."""
         b, s = input_ids.shape
         keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         types = token_types(self.cfg, input_ids) if mm_token_type_ids is None else mm_token_type_ids
+        grids = vision.get("image_grid_thw"), vision.get("video_grid_thw")
         rows, positions, lens, start = [], [], [], (0, 0)
         for r in range(b):
             ids = input_ids[r][keep[r]]
-            pos, start = sample_positions(self.cfg, types[r][keep[r]], image_grid_thw, video_grid_thw, second_per_grid_ts, start)
+            pos, start = sample_positions(self.cfg, types[r][keep[r]], *grids, second_per_grid_ts, start)
             rows.append(ids)
             positions.append(pos)
             lens.append(len(ids))
         tokens = torch.cat(rows)[None]
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=input_ids.device)
-        vision = dict(
-            pixel_values=pixel_values, image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw
-        )
         logits = self(tokens, torch.cat(positions, dim=1).to(input_ids.device), cu, **vision)
         out = logits.new_zeros(b, s, logits.shape[-1])
         out[keep] = logits[0]
@@ -408,7 +459,8 @@ class VisionLanguageModel(nn.Module):
     def from_hf(cls, hf_dir, families: dict, ctx, ops=None) -> "VisionLanguageModel":
         family, cfg = read_hf_config(hf_dir, families)
         model = cls.build(family, cfg, ctx, ops)
-        model.load_lf(hf_to_lf(vlm_table(family, cfg.arch), hf_io.load_hf_state(hf_dir), model.cfg))
+        state = hf_io.load_hf_state(hf_dir)
+        model.load_lf(hf_to_lf(hf_state_table(family, cfg.arch, state), state, model.cfg))
         return model
 
 
@@ -441,11 +493,14 @@ def token_types(cfg: VLMConfig, ids: torch.Tensor) -> torch.Tensor:
 def sample_positions(cfg: VLMConfig, types: torch.Tensor, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None, start=(0, 0)):
     """M-RoPE rows [3, T] of one sample's token types, its images and videos the grids from index
     `start` on; returns (rows, the indices after this sample's items)."""
+    counts = [_items(types, kind) for kind in (IMAGE, VIDEO)]
+    after = (start[0] + counts[0], start[1] + counts[1])
+    if not vlm_arch(cfg.arch).grids:  # 1-D positions
+        return torch.arange(len(types)).expand(3, -1).clone(), after
     merge = cfg.tower.spatial_merge_size
     grids = [[] if g is None else [tuple(r) for r in g.tolist()] for g in (image_grid_thw, video_grid_thw)]
     if vlm_arch(cfg.arch).frames_apart:  # each frame its own item at time 0 (timestamps in the text between)
         grids[1] = [(1, h, w) for t, h, w in grids[1] for _ in range(t)]
-    counts = [_items(types, kind) for kind in (IMAGE, VIDEO)]
     seconds = [] if second_per_grid_ts is None else [float(s) for s in second_per_grid_ts]
     pos = mrope_positions(
         types.tolist(),
@@ -455,7 +510,7 @@ def sample_positions(cfg: VLMConfig, types: torch.Tensor, image_grid_thw=None, v
         merge,
         cfg.tokens_per_second,
     )
-    return pos, (start[0] + counts[0], start[1] + counts[1])
+    return pos, after
 
 
 def _items(types: torch.Tensor, kind: int) -> int:
@@ -464,13 +519,9 @@ def _items(types: torch.Tensor, kind: int) -> int:
     return int(((t[1:] - t[:-1]) == 1).sum() + t[0]) if len(t) else 0
 
 
-# the HF configs' keys beside text_config / vision_config
-VLM_ID_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-
-
 def read_hf_config(hf_dir, families: dict) -> tuple[FamilySpec, VLMConfig]:
-    """A Qwen2.5-VL or Qwen3-VL directory's config: nested (transformers 5: `text_config`) or flat
-    (Qwen2.5-VL's published checkpoints: text keys at the top)."""
+    """A Qwen2.5-VL, Qwen3-VL or LLaVA-OneVision directory's config: nested (transformers 5:
+    `text_config`) or flat (Qwen2.5-VL's published checkpoints: text keys at the top)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise UserError(f"{hf_dir}: not an HF model directory (no config.json)")
@@ -478,21 +529,20 @@ def read_hf_config(hf_dir, families: dict) -> tuple[FamilySpec, VLMConfig]:
     if c.get("model_type") not in ARCHS:
         raise UserError(f"{hf_dir}: model_type {c.get('model_type')!r} is not a supported VLM (supported: {', '.join(ARCHS)})")
     arch = ARCHS[c["model_type"]]
-    vision = dict(c.get("vision_config") or {})
+    ids = dict(arch.hf_ids)
     if "text_config" in c:
         text = dict(c["text_config"])
     else:
-        text = {k: v for k, v in c.items() if k not in ("vision_config", *VLM_ID_KEYS, "architectures")}
-    text["model_type"] = f"{arch.name}_text"
+        text = {k: v for k, v in c.items() if k not in ("vision_config", *ids.values(), "architectures")}
+    text["model_type"] = arch.text_model_type or text.get("model_type", families[arch.family].hf_model_type)
     text["tie_word_embeddings"] = bool(c.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
     family, lang = hf_io.model_config_from_hf(text, families, hf_dir)
-    tps = vision.pop("tokens_per_second", 2)
     cfg = VLMConfig(
         arch=arch.name,
-        vision=dataclasses.asdict(arch.vision_config.from_hf(vision)),
+        vision=dataclasses.asdict(arch.vision_from_hf(c)),
         language=family.resolve(lang),
-        tokens_per_second=int(tps),
-        **{k: int(c[k]) for k in VLM_ID_KEYS if k in c},
+        tokens_per_second=int((c.get("vision_config") or {}).get("tokens_per_second", 2)),
+        **{k: int(c[h]) for k, h in ids.items() if h in c},
     )
     return family, cfg
 
@@ -501,18 +551,15 @@ def hf_config(cfg: VLMConfig, family: FamilySpec, dtype=torch.float32) -> dict:
     arch = vlm_arch(cfg.arch)
     text = hf_io.hf_config_dict(family, cfg.language, dtype)
     text.pop("architectures")
-    text["model_type"] = f"{arch.name}_text"
-    vision = {**cfg.tower.hf_config(), "model_type": f"{arch.name}_vision"}
-    if not arch.frames_apart:
-        vision["tokens_per_second"] = cfg.tokens_per_second
+    text["model_type"] = arch.text_model_type or text["model_type"]
+    out = {"architectures": [arch.hf_architecture], "model_type": arch.name, **arch.vision_to_hf(cfg.tower), "text_config": text}
+    if arch.name == "qwen2_5_vl":  # its video time positions' rate sits in its vision_config
+        out["vision_config"]["tokens_per_second"] = cfg.tokens_per_second
     return {
-        "architectures": [arch.hf_architecture],
-        "model_type": arch.name,
-        "text_config": text,
-        "vision_config": vision,
+        **out,
         "tie_word_embeddings": cfg.language.tie_word_embeddings,
         "dtype": text["dtype"],
-        **{k: getattr(cfg, k) for k in VLM_ID_KEYS},
+        **{h: getattr(cfg, k) for k, h in arch.hf_ids},
     }
 
 

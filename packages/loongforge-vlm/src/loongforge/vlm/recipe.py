@@ -71,6 +71,7 @@ def resolve_model(cfg, tok) -> tuple[VLMConfig, str | None]:
         return dataclasses.replace(cfg.model, **ids), None
     if hf_io.is_hf_dir(load):
         _, mcfg = read_hf_config(load, families())
+        check_trainable(mcfg)
         source = "hf"
     else:
         step = find_checkpoint(load)
@@ -107,8 +108,19 @@ def validate(cfg, mcfg: VLMConfig, tok) -> None:
         raise UserError("lora.rank > 0 trains adapters on frozen weights: set checkpoint.load to the base model")
 
 
+def check_trainable(mcfg: VLMConfig) -> None:
+    """Architectures whose data processing is built (Qwen-VL's patch grids); LLaVA-OneVision's
+    anyres tiling runs in its model and HF in / out, not yet in the data pipeline."""
+    if not vlm_arch(mcfg.arch).grids:
+        raise UserError(
+            f"model.arch={mcfg.arch}: its image processing (anyres tiles) is not in the data pipeline yet, so it cannot be trained; "
+            "load_model, convert and HF logits work"
+        )
+
+
 def validate_data(cfg, mcfg: VLMConfig, tok) -> None:
     """The data section against the model and tokenizer (training and preprocessing)."""
+    check_trainable(mcfg)
     d = cfg.data
     if len(tok) > mcfg.language.vocab_size:
         raise UserError(
@@ -322,10 +334,12 @@ class VLMTask(TrainingTask):
 
 
 def model_parts(model: VisionLanguageModel):
-    """(part name, parameter) of every parameter: vision, projector (the patch merger), language."""
+    """(part name, parameter) of every parameter: vision, projector (the patch mergers or the
+    projector into the language model), language."""
     if model.vision is not None:
+        projector = vlm_arch(model.cfg.arch).projector
         for name, p in model.vision.named_parameters():
-            yield ("projector" if name.startswith("merger") else "vision"), p
+            yield ("projector" if name.startswith(projector) else "vision"), p
     for p in model.language.parameters():
         yield "language", p
 

@@ -102,6 +102,11 @@ class LlavaOnevisionConfig:
             bad("multimodal_projector_bias", "a bool")
 
     @property
+    def out_hidden_size(self) -> int:
+        """The features' width (the language model's), as the Qwen towers name it."""
+        return self.text_hidden_size
+
+    @property
     def tile_side(self) -> int:
         """Patches along a tile's side (HF's `image_size // patch_size`)."""
         return self.vision_config.image_size // self.vision_config.patch_size
