@@ -192,7 +192,7 @@ def processor_config(model: VLMConfig, image: dict):
         merge_size=v.spatial_merge_size,
         image_mean=arch.image_mean,
         image_std=arch.image_std,
-        videos=not arch.frames_apart,
+        video_timestamps=arch.frames_apart,
         tokens_per_second=float(model.tokens_per_second),
         **{k: image[k] for k in keys if k in image},
     )

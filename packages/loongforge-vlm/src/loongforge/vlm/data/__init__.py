@@ -6,7 +6,8 @@
   the `BadSample` of each row it cannot use in its place; `to_record` does one row.
 - `encode`: `VisionSampleEncoder(tokenizer, VisionProcessorConfig(...), max_length).encode(record)`
   -> input_ids with the vision pads expanded, assistant-only labels, pixel values and grids as
-  transformers' Qwen2-VL processor gives them, M-RoPE position rows.
+  transformers' Qwen2-VL processor gives them, M-RoPE position rows; with `video_timestamps`
+  each video's frame groups apart after their `<t seconds>` text (Qwen3-VL).
 - `dataset`: `encode_all(records, encoder, on_bad_sample)` -> (samples, Counter of bad reasons).
 - `demo`: `write_demo_dataset(out_dir, samples, seed)` writes a small LLaVA-style set of shapes.
 

@@ -1,4 +1,4 @@
-"""A `VisionRecord` -> one Qwen2-VL / Qwen2.5-VL training sample.
+"""A `VisionRecord` -> one Qwen2-VL / Qwen2.5-VL / Qwen3-VL training sample.
 
     enc = VisionSampleEncoder(tokenizer, VisionProcessorConfig(max_pixels=128 * 28 * 28), max_length=2048)
     sample = enc.encode(record)
@@ -16,6 +16,23 @@ frames in groups of temporal_patch_size (the last repeated to fill the group), e
 patches laid out as an image's; `second_per_grid_ts` = temporal_patch_size / video_fps. M-RoPE
 positions come from core's `mrope_positions` (tokens_per_second: 2 for Qwen2.5-VL).
 
+With `video_timestamps` (Qwen3-VL) a video's frames sit apart in the text instead, as Qwen3-VL's
+processor writes them (transformers 4.57's `Qwen3VLProcessor.__call__`, its authors' format): the
+rendered `<|vision_start|><|video_pad|><|vision_end|>` (or a bare `<|video_pad|>`) becomes, per
+frame group g (temporal_patch_size frames), the text `<{t_g:.1f} seconds>` then `<|vision_start|>`,
+the group's h * w / merge_size^2 pads and `<|vision_end|>`. t_g is `_calculate_timestamps`': frame k
+of the decoded video is at k / video_fps seconds (`decode_frames` samples the frame shown at each
+1 / fps step from the first), the indices padded with the last to whole groups as the frames are,
+and t_g the mean of the group's first and last frame times. The timestamp text is tokenized as the
+processor's tokenization of the whole prompt does: each piece after the first lies between
+`<|vision_end|>` and `<|vision_start|>`, added tokens the tokenizer splits the text at before its
+pre-tokenizer runs, so alone it tokenizes the same; the first follows the text before the video
+(e.g. "Video 1: "), with which a Qwen BPE merges across the boundary (" <" is one token), so that
+text run is tokenized again with it (its trained labels kept where its tokens stay the same). The
+inserted tokens are never trained on (labels -100) and are text tokens; each frame group is its
+own vision item at time position 0 (`Qwen3VLModel.get_rope_index`); `video_grid_thw` stays one
+[t, h, w] row per video, and `second_per_grid_ts` is None (Qwen3-VL has no time positions).
+
 `encode` returns (T tokens):
     input_ids            LongTensor [T]
     labels               LongTensor [T], -100 except on assistant tokens (same positions as input_ids)
@@ -25,7 +42,7 @@ positions come from core's `mrope_positions` (tokens_per_second: 2 for Qwen2.5-V
     image_grid_thw       LongTensor [images, 3], or None
     pixel_values_videos  FloatTensor [video patches, 3 * temporal_patch_size * patch_size^2], or None
     video_grid_thw       LongTensor [videos, 3], or None
-    second_per_grid_ts   FloatTensor [videos], or None
+    second_per_grid_ts   FloatTensor [videos], or None (always None with video_timestamps)
 
 Bad samples raise BadSample: "over_long" (more than max_length tokens once the pads are
 expanded), "missing_media" / "corrupt_media" (a file gone or not decodable), "bad_media_size" (an
@@ -48,6 +65,8 @@ from loongforge.core.foundation.mrope import IMAGE, TEXT, VIDEO, mrope_positions
 from loongforge.vlm.data.formats import VisionRecord
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
+VISION_START_TOKEN, VISION_END_TOKEN = "<|vision_start|>", "<|vision_end|>"
+TIMESTAMPED_VIDEO_MODELS = ("qwen3_vl", "qwen3_vl_moe")  # HF model_types whose videos take timestamps
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -56,8 +75,10 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 class VisionProcessorConfig:
     """Qwen2-VL's image processing (its preprocessor_config.json's fields; the defaults are
     transformers' `Qwen2VLImageProcessor` defaults), its video sampling and sizes (the defaults are
-    `Qwen2VLVideoProcessor`'s sizes and qwen-vl-utils' 2 fps), and the model's tokens_per_second
-    (Qwen2.5-VL's vision_config, used for the time row of video positions)."""
+    `Qwen2VLVideoProcessor`'s sizes and qwen-vl-utils' 2 fps), the model's tokens_per_second
+    (Qwen2.5-VL's vision_config, used for the time row of video positions), and `video_timestamps`:
+    a video's frame groups apart in the text, each after its timestamp (Qwen3-VL; see the module
+    docstring), else one run of pads with time positions (Qwen2-VL / Qwen2.5-VL)."""
 
     patch_size: int = 14
     temporal_patch_size: int = 2
@@ -71,7 +92,7 @@ class VisionProcessorConfig:
     video_max_pixels: int = 768 * 28 * 28
     video_max_frames: int = 768
     tokens_per_second: float = 2.0
-    videos: bool = True  # false: a sample with a video is a bad sample (video_unsupported)
+    video_timestamps: bool = False  # Qwen3-VL's video prompts: `<t seconds>` + each frame group's pads
 
     def __post_init__(self):
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "video_max_frames"):
@@ -88,9 +109,9 @@ class VisionProcessorConfig:
 
     @classmethod
     def from_hf(cls, path, **overrides) -> VisionProcessorConfig:
-        """The settings of an HF Qwen2-VL / Qwen2.5-VL directory: preprocessor_config.json,
-        video_preprocessor_config.json (if there) and config.json's vision_config.tokens_per_second;
-        `overrides` win."""
+        """The settings of an HF Qwen2-VL / Qwen2.5-VL / Qwen3-VL directory: preprocessor_config.json,
+        video_preprocessor_config.json (if there), config.json's vision_config.tokens_per_second and
+        its model_type (Qwen3-VL: video_timestamps); `overrides` win."""
         path = Path(path)
 
         def read(name: str) -> dict:
@@ -119,6 +140,8 @@ class VisionProcessorConfig:
         tps = (model.get("vision_config") or {}).get("tokens_per_second")
         if tps is not None:
             kw["tokens_per_second"] = tps
+        if model.get("model_type") in TIMESTAMPED_VIDEO_MODELS:
+            kw["video_timestamps"] = True
         return cls(**{**kw, **overrides})
 
 
@@ -136,7 +159,8 @@ class VisionSampleEncoder:
     VisionProcessorConfig or a dict of its fields; keyword options named as its fields
     (`max_pixels=...`, `tokens_per_second=...`) override them. `template` and the other keyword
     options are core's SFTTokenizer's (train_on_prompt, last_turn_only, append_eos,
-    template_kwargs; default: the tokenizer's own chat template, loss on assistant turns only)."""
+    template_kwargs; default: the tokenizer's own chat template, loss on assistant turns only).
+    `vision_start_token` / `vision_end_token` are needed with video_timestamps only."""
 
     def __init__(
         self,
@@ -146,6 +170,8 @@ class VisionSampleEncoder:
         template: str | None = None,
         image_token: str = IMAGE_TOKEN,
         video_token: str = VIDEO_TOKEN,
+        vision_start_token: str = VISION_START_TOKEN,
+        vision_end_token: str = VISION_END_TOKEN,
         **options,
     ):
         names = {f.name for f in fields(VisionProcessorConfig)}
@@ -163,6 +189,12 @@ class VisionSampleEncoder:
         self.image_token_id = self._token_id(image_token)
         self.video_token_id = self._token_id(video_token)
         c = self.config
+        if c.video_timestamps:
+            self.vision_start_id, self.vision_end_id = self._token_id(vision_start_token), self._token_id(vision_end_token)
+            # the tokens the tokenizer cuts the text at before pre-tokenizing (its added tokens)
+            added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+            self._cut_ids = {int(i) for i in added} | {self.image_token_id, self.video_token_id, self.vision_start_id, self.vision_end_id}
+            self._piece_cache: dict[str, list[int]] = {}
         common = dict(
             patch_size=c.patch_size,
             temporal_patch_size=c.temporal_patch_size,
@@ -201,16 +233,27 @@ class VisionSampleEncoder:
             if pads != len(media):
                 raise BadSample("placeholder_mismatch", f"the chat template rendered {pads} {kind} pads for {len(media)} {kind}s")
         images = self._images(record.images)
-        videos = self._videos(record.videos)
+        videos, seconds = self._videos(record.videos)
         merge = self.config.merge_size**2
         counts = {
             self.image_token_id: iter([] if images is None else (images["image_grid_thw"].prod(-1) // merge).tolist()),
             self.video_token_id: iter([] if videos is None else (videos["video_grid_thw"].prod(-1) // merge).tolist()),
         }
+        video_grids = [] if videos is None else videos["video_grid_thw"].tolist()
         out_ids, out_labels, types = [], [], []
         kind_of = {self.image_token_id: IMAGE, self.video_token_id: VIDEO}
-        for t, label in zip(ids, labels):
-            if t in kind_of:
+        stamped = iter(zip(video_grids, seconds or []))
+        skip = False
+        for i, (t, label) in enumerate(zip(ids, labels)):
+            if skip:  # the <|vision_end|> of a video put apart
+                skip = False
+            elif t == self.video_token_id and self.config.video_timestamps:
+                # HF replaces the whole <|vision_start|><|video_pad|><|vision_end|>, else the pad alone
+                if out_ids and out_ids[-1] == self.vision_start_id and i + 1 < len(ids) and ids[i + 1] == self.vision_end_id:
+                    del out_ids[-1], out_labels[-1], types[-1]
+                    skip = True
+                self._put_frames(out_ids, out_labels, types, *next(stamped))
+            elif t in kind_of:
                 n = next(counts[t])
                 out_ids += [t] * n
                 out_labels += [IGNORE] * n
@@ -221,11 +264,16 @@ class VisionSampleEncoder:
                 types.append(TEXT)
         if len(out_ids) > self.max_length:
             raise BadSample("over_long", f"{len(out_ids)} > {self.max_length} tokens with the vision pads expanded")
+        if self.config.video_timestamps:  # each frame group its own item (t = 1: no time step)
+            video_grids = [[1, h, w] for t, h, w in video_grids for _ in range(t)]
+            steps = [1.0] * len(video_grids)
+        else:
+            steps = [] if videos is None else videos["second_per_grid_ts"].tolist()
         positions = mrope_positions(
             types,
             [] if images is None else images["image_grid_thw"].tolist(),
-            [] if videos is None else videos["video_grid_thw"].tolist(),
-            [] if videos is None else videos["second_per_grid_ts"].tolist(),
+            video_grids,
+            steps,
             spatial_merge=self.config.merge_size,
             tokens_per_second=self.config.tokens_per_second,
         )
@@ -244,6 +292,49 @@ class VisionSampleEncoder:
         sample.update(videos or {})
         return sample
 
+    def _put_frames(self, out_ids: list, out_labels: list, types: list, grid: list, seconds: list) -> None:
+        """Append a video's frame groups apart: per group its timestamp text, <|vision_start|>, its
+        pads and <|vision_end|> (none trained on)."""
+        _, h, w = grid
+        pads = h * w // self.config.merge_size**2
+        for g, t in enumerate(seconds):
+            text = f"<{t:.1f} seconds>"
+            if g == 0:
+                self._put_after_text(out_ids, out_labels, types, text)
+            else:  # between <|vision_end|> and <|vision_start|>: tokenized alone as in the whole prompt
+                piece = self._piece(text)
+                out_ids += piece
+                out_labels += [IGNORE] * len(piece)
+                types += [TEXT] * len(piece)
+            out_ids += [self.vision_start_id] + [self.video_token_id] * pads + [self.vision_end_id]
+            out_labels += [IGNORE] * (pads + 2)
+            types += [TEXT] + [VIDEO] * pads + [TEXT]
+
+    def _put_after_text(self, out_ids: list, out_labels: list, types: list, text: str) -> None:
+        """Append `text` tokenized with the run of text tokens it follows (back to the last added
+        token: the span the tokenizer pre-tokenizes with it), as tokenizing the whole prompt does;
+        the run's tokens that stay keep their labels, the rest and `text`'s are not trained on."""
+        start = len(out_ids)
+        while start > 0 and out_ids[start - 1] not in self._cut_ids:
+            start -= 1
+        if start == len(out_ids):
+            new = self._piece(text)
+        else:
+            before = self.tokenizer.decode(out_ids[start:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            new = list(self.tokenizer(before + text, add_special_tokens=False)["input_ids"])
+        kept = 0
+        while kept < min(len(new), len(out_ids) - start) and new[kept] == out_ids[start + kept]:
+            kept += 1
+        out_labels[start:] = out_labels[start : start + kept] + [IGNORE] * (len(new) - kept)
+        out_ids[start:] = new
+        types[start:] = [TEXT] * len(new)
+
+    def _piece(self, text: str) -> list[int]:
+        ids = self._piece_cache.get(text)
+        if ids is None:
+            ids = self._piece_cache[text] = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return ids
+
     def __call__(self, record: VisionRecord) -> dict:
         return self.encode(record)
 
@@ -259,27 +350,26 @@ class VisionSampleEncoder:
             raise BadSample("bad_media_size", str(e).splitlines()[0]) from None
         return {"pixel_values": out["pixel_values"].to(torch.float32), "image_grid_thw": out["image_grid_thw"].to(torch.long)}
 
-    def _videos(self, sources) -> dict | None:
+    def _videos(self, sources) -> tuple[dict | None, list | None]:
+        """(the videos' sample entries, with video_timestamps each video's frame group times)."""
         if not sources:
-            return None
-        if not self.config.videos:
-            raise BadSample("video_unsupported", "this model's video prompts (timestamps between frames) are not built; drop the video")
-        patches, grids = [], []
+            return None, None
+        patches, grids, frames = [], [], []
         for s in sources:
-            p, grid = self._video(s)
+            p, grid, n = self._video(s)
             patches.append(p)
             grids.append(grid)
-        tp = self.config.temporal_patch_size
-        seconds = torch.full((len(sources),), tp / self.config.video_fps, dtype=torch.float32)
-        return {
-            "pixel_values_videos": torch.cat(patches),
-            "video_grid_thw": torch.tensor(grids, dtype=torch.long),
-            "second_per_grid_ts": seconds,
-        }
+            frames.append(n)
+        c, tp = self.config, self.config.temporal_patch_size
+        out = {"pixel_values_videos": torch.cat(patches), "video_grid_thw": torch.tensor(grids, dtype=torch.long)}
+        if c.video_timestamps:  # Qwen3-VL: no time positions, so no seconds per grid
+            return {**out, "second_per_grid_ts": None}, [group_seconds(n, c.video_fps, tp) for n in frames]
+        return {**out, "second_per_grid_ts": torch.full((len(sources),), tp / c.video_fps, dtype=torch.float32)}, None
 
-    def _video(self, source) -> tuple[torch.Tensor, list[int]]:
-        """(patches [t * h * w, C * tp * p * p], [t, h, w]) of one video, as Qwen2-VL's video processor
-        lays them out: group g holds frames g*tp ... g*tp + tp - 1 of every patch."""
+    def _video(self, source) -> tuple[torch.Tensor, list[int], int]:
+        """(patches [t * h * w, C * tp * p * p], [t, h, w], frames decoded) of one video, as Qwen2-VL's
+        video processor lays them out: group g holds frames g*tp ... g*tp + tp - 1 of every patch (the
+        last frame repeated to fill the last group)."""
         from PIL import Image
 
         c = self.config
@@ -287,6 +377,7 @@ class VisionSampleEncoder:
             frames = decode_frames(source, c.video_max_frames, c.video_fps)
         except BadMedia as e:
             raise BadSample(f"{e.reason}_media", e.message) from None
+        decoded = len(frames)
         frames = list(frames) + [frames[-1]] * (-len(frames) % c.temporal_patch_size)
         try:
             out = self.frame_processor(images=[Image.fromarray(f) for f in frames], return_tensors="np")
@@ -299,7 +390,18 @@ class VisionSampleEncoder:
         one = np.asarray(out["pixel_values"]).reshape(len(frames), h * w, 3, tp, p, p)[:, :, :, 0]  # [F, hw, C, p, p]
         t = len(frames) // tp
         grouped = one.reshape(t, tp, h * w, 3, p, p).transpose(0, 2, 3, 1, 4, 5)  # [t, hw, C, tp, p, p]
-        return torch.from_numpy(np.ascontiguousarray(grouped).reshape(t * h * w, 3 * tp * p * p)).to(torch.float32), [t, h, w]
+        patches = torch.from_numpy(np.ascontiguousarray(grouped).reshape(t * h * w, 3 * tp * p * p)).to(torch.float32)
+        return patches, [t, h, w], decoded
+
+
+def group_seconds(frames: int, fps: float, temporal_patch_size: int) -> list[float]:
+    """The time of each frame group of a video of `frames` frames sampled at `fps` from its start
+    (frame k at k / fps), as transformers' `Qwen3VLProcessor._calculate_timestamps` computes it for
+    frame indices 0 ... frames - 1 at that fps: the indices padded with the last to whole groups,
+    then per group the mean of its first and last frame's time."""
+    indices = list(range(frames)) + [frames - 1] * (-frames % temporal_patch_size)
+    times = [i / fps for i in indices]
+    return [(times[g] + times[g + temporal_patch_size - 1]) / 2 for g in range(0, len(times), temporal_patch_size)]
 
 
 def _open(source):
@@ -311,4 +413,4 @@ def _open(source):
         raise BadSample(f"{e.reason}_media", e.message) from None
 
 
-__all__ = ["IMAGE_TOKEN", "VIDEO_TOKEN", "VisionProcessorConfig", "VisionSampleEncoder"]
+__all__ = ["IMAGE_TOKEN", "VIDEO_TOKEN", "VisionProcessorConfig", "VisionSampleEncoder", "group_seconds"]
