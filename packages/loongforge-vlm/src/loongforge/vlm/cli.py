@@ -15,6 +15,8 @@ EXAMPLES = """examples:
   loongforge-vlm train qwen2_5_vl_tiny data.prepacked=packs/tiny
   loongforge-vlm generate runs/tiny-vlm --image shape.png --prompt "What color is the shape?"
   loongforge-vlm convert runs/tiny-vlm export/          # an HF Qwen2_5_VLForConditionalGeneration directory
+  loongforge-vlm convert runs/lora-vlm adapter/ --peft  # a LoRA run's adapters for transformers + peft
+  loongforge-vlm convert runs/lora-vlm adapter/ --peft --base /models/Qwen2.5-VL-7B-Instruct   # the base recorded
 Errors you can fix print one line and exit 2; add --debug for the traceback."""
 
 
@@ -34,9 +36,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--image", action="append", default=[], help="an image file (repeat for several)")
     g.add_argument("--max-new-tokens", type=int, default=16)
-    c = sub.add_parser("convert", help="a trained run as an HF Qwen2_5_VLForConditionalGeneration directory", **fmt)
+    c = sub.add_parser("convert", help="a trained run as an HF directory (LoRA merged), or its LoRA adapters for PEFT", **fmt)
     c.add_argument("run_dir", help="a run directory of `train` (its newest checkpoint is converted)")
     c.add_argument("out", help="a new (or empty) directory")
+    c.add_argument(
+        "--peft",
+        action="store_true",
+        help="a LoRA run's adapters (and the vision parts it trained) as a PEFT adapter directory, not merged",
+    )
+    c.add_argument("--base", help="with --peft: the HF base model directory the adapter records (default: the run's checkpoint.load)")
     return p
 
 
@@ -65,8 +73,13 @@ def main(argv: list[str]) -> int:
 
         print(answer(args.model, args.prompt, args.image, args.max_new_tokens))
         return 0
-    from loongforge.vlm.model_io import export_hf
+    from loongforge.vlm.model_io import export_hf, lf_to_peft
 
+    if args.peft:
+        print(f"wrote {lf_to_peft(args.run_dir, args.out, args.base)}")
+        return 0
+    if args.base is not None:
+        raise UserError("--base names the base model a PEFT adapter records: use it with --peft")
     print(f"wrote {export_hf(args.run_dir, args.out)}")
     return 0
 

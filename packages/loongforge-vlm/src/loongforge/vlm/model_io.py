@@ -1,4 +1,5 @@
-"""`load_model` and HF export of VLM checkpoints, through the composed model's mapping table."""
+"""`load_model`, HF export (merged) and PEFT export (LoRA adapters) of VLM checkpoints, through
+the composed model's mapping table."""
 
 from __future__ import annotations
 
@@ -9,11 +10,17 @@ from loongforge.core.checkpoint import find_checkpoint, load_megatron, verify_fi
 from loongforge.core.data.text import copy_tokenizer, tokenizer_dir_for
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
-from loongforge.core.foundation.hf_mapping import hf_to_lf
-from loongforge.core.foundation.lora import LoRAConfig, is_adapter_key
+from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf, lora_to_peft
+from loongforge.core.foundation.lora import is_adapter_key, lora_from_manifest
 from loongforge.core.parallel import single_process_context
 from loongforge.core.registry import registry
-from loongforge.vlm.model import VisionLanguageModel, vlm_config_from_dict, vlm_table
+from loongforge.vlm.model import VisionLanguageModel, vlm_arch, vlm_config_from_dict, vlm_table
+
+# PEFT names modules by their paths in the transformers model: both architectures'
+# ForConditionalGeneration hold the language model and the vision tower here, whatever prefixes
+# their checkpoints use (Qwen2.5-VL's published ones say `model.layers.` and `visual.`)
+HF_LANGUAGE_MODULE = "model.language_model."
+HF_VISION_MODULE = "model.visual."
 
 
 def families() -> dict:
@@ -30,38 +37,52 @@ def load_model(path) -> VisionLanguageModel:
     step = find_checkpoint(path)
     if step is None:
         raise UserError(f"{path}: neither an HF model directory nor a LoongForge checkpoint")
-    m = verify_files(step)
-    config = m["config"]
-    if "vision" not in config.get("model", {}):
-        raise UserError(f"{step} is not a VLM checkpoint (its model has no vision tower); load it with its own package")
-    cfg = vlm_config_from_dict(config["model"])
-    family = registry().get("family", cfg.language.family)
-    lora = LoRAConfig(**config.get("lora", {}))
-    if not lora.enabled:
-        model = VisionLanguageModel.build(family, cfg, ctx)
+    manifest = _vlm_manifest(step)
+    config = manifest["config"]
+    if lora_from_manifest(manifest) is None:
+        cfg = vlm_config_from_dict(config["model"])
+        model = VisionLanguageModel.build(registry().get("family", cfg.language.family), cfg, ctx)
         load_megatron(step, model)
         return model.eval()
-    # a LoRA run's checkpoints hold what it trained (adapters, unfrozen vision parts); the rest
-    # comes from the base it started from
+    model, _ = _lora_run(step, manifest, with_base=True)
+    return model
+
+
+def _vlm_manifest(step: Path) -> dict:
+    """A checkpoint's manifest (its files verified), a UserError if it is not a VLM's."""
+    manifest = verify_files(step)
+    if "vision" not in manifest["config"].get("model", {}):
+        raise UserError(f"{step} is not a VLM checkpoint (its model has no vision tower); load it with its own package")
+    return manifest
+
+
+def _lora_run(step: Path, manifest: dict, with_base: bool) -> tuple[VisionLanguageModel, set]:
+    """A LoRA run's model (eval) and the names of what it trained. Its checkpoints hold what it
+    trained (adapters, unfrozen vision parts); `with_base`: the rest comes from the base it started
+    from (else it keeps its initial values)."""
     from loongforge.vlm.config import FreezeConfig, LRMultConfig
     from loongforge.vlm.recipe import freeze
 
-    model = VisionLanguageModel.build(family, cfg, ctx, lora=lora)
+    config = manifest["config"]
+    cfg = vlm_config_from_dict(config["model"])
+    family = registry().get("family", cfg.language.family)
+    model = VisionLanguageModel.build(family, cfg, single_process_context(), lora=lora_from_manifest(manifest))
     freeze(model, FreezeConfig(**config.get("freeze", {})), LRMultConfig())
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    base = config["checkpoint"].get("load")
-    if not base or not Path(base).exists():
-        raise UserError(f"{step} holds LoRA adapters; its base model {base!r} is not there")
-    if hf_io.is_hf_dir(base):
-        model.load_lf(hf_to_lf(vlm_table(family, cfg.arch), hf_io.load_hf_state(base), model.cfg))
-    else:
-        base_step = find_checkpoint(base)
-        if base_step is None:
-            raise UserError(f"base model {base}: neither an HF model directory nor a LoongForge checkpoint")
-        verify_files(base_step)
-        load_megatron(base_step, model, select=lambda k: not is_adapter_key(k))
+    if with_base:
+        base = config["checkpoint"].get("load")
+        if not base or not Path(base).exists():
+            raise UserError(f"{step} holds LoRA adapters; its base model {base!r} is not there")
+        if hf_io.is_hf_dir(base):
+            model.load_lf(hf_to_lf(vlm_table(family, cfg.arch), hf_io.load_hf_state(base), model.cfg))
+        else:
+            base_step = find_checkpoint(base)
+            if base_step is None:
+                raise UserError(f"base model {base}: neither an HF model directory nor a LoongForge checkpoint")
+            verify_files(base_step)
+            load_megatron(base_step, model, select=lambda k: not is_adapter_key(k))
     load_megatron(step, model, select=trained.__contains__)
-    return model.eval()
+    return model.eval(), trained
 
 
 def export_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32) -> Path:
@@ -75,3 +96,55 @@ def export_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32) -> Path:
     if tok is not None:
         copy_tokenizer(tok, Path(out_dir))
     return Path(out_dir)
+
+
+def lf_to_peft(ckpt, out_dir, base=None) -> Path:
+    """A LoRA run's adapters as a PEFT adapter directory (adapter_config.json,
+    adapter_model.safetensors, the run's tokenizer) for the arch's transformers class:
+    `peft.PeftModel.from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained(base), out)`.
+    The adapters target the language model's linears by their transformers paths; the vision parts
+    the run trained whole (those `freeze.*` left on) go in as PEFT `modules_to_save`. `base` is
+    recorded as the base model (default: the run's checkpoint.load); the base weights are not read."""
+    return hf_io.export_peft(ckpt, out_dir, _save_peft, base, "convert without --peft for the merged HF model")
+
+
+def hf_module_name(arch: str, name: str) -> str:
+    """An HF checkpoint name of `arch` (tensor or module) -> its path in the transformers model."""
+    a = vlm_arch(arch)
+    for prefix, module in sorted(((a.language_prefix, HF_LANGUAGE_MODULE), (a.vision_prefix, HF_VISION_MODULE)), key=lambda p: -len(p[0])):
+        if name.startswith(prefix):
+            return module + name.removeprefix(prefix)
+    return name
+
+
+def _save_peft(step: Path, out: Path, base_model_name_or_path: str | None) -> None:
+    manifest = _vlm_manifest(step)
+    model, trained = _lora_run(step, manifest, with_base=False)
+    arch = vlm_arch(model.cfg.arch)
+    if model.family.name != arch.family:
+        raise UserError(
+            f"PEFT export targets {arch.hf_architecture}, whose language model is {arch.family}; this model's is {model.family.name}"
+        )
+    table = vlm_table(model.family, model.cfg.arch)
+    state = model.lf_state()
+
+    def name(n: str) -> str:
+        return hf_module_name(model.cfg.arch, n)
+
+    tensors, modules = lora_to_peft(table, state, model.cfg, module_name=name)
+    # the parts trained whole (vision tower, merger), among every tensor of the model (names only)
+    whole = lf_to_hf(table, {k: v for k, v in state.items() if k in trained and not is_adapter_key(k)}, model.cfg, partial=True)
+    whole = {name(k): v for k, v in whole.items()}
+    every = {name(k) for k in lf_to_hf(table, {k: v.to("meta") for k, v in state.items()}, model.cfg)}
+    tensors.update({f"base_model.model.{k}": v for k, v in whole.items()})
+    hf_io.save_peft(
+        out,
+        lora_from_manifest(manifest),
+        tensors,
+        modules,
+        model.cfg.language.num_layers,
+        base_model_name_or_path,
+        layers_prefix=HF_LANGUAGE_MODULE + "layers.",
+        short_names=False,  # Qwen2.5-VL's vision blocks have gate_proj, up_proj and down_proj too
+        modules_to_save=hf_io.peft_modules_to_save(whole, every),
+    )

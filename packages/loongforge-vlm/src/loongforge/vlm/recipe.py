@@ -52,13 +52,9 @@ def tokenizer_path(name: str) -> str:
 
 def token_ids(tok) -> dict:
     """The vision token ids of a tokenizer (a UserError naming a missing one)."""
-    ids = {}
-    for key, text in VISION_TOKENS.items():
-        i = tok.convert_tokens_to_ids(text)
-        if i is None or i == tok.unk_token_id:
-            raise UserError(f"the tokenizer has no {text} token; use the family's tokenizer (data.tokenizer)")
-        ids[key] = int(i)
-    return ids
+    from loongforge.vlm.data.encode import special_token_id
+
+    return {key: special_token_id(tok, text) for key, text in VISION_TOKENS.items()}
 
 
 def resolve_model(cfg, tok) -> tuple[VLMConfig, str | None]:

@@ -71,6 +71,15 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+def special_token_id(tokenizer, token: str) -> int:
+    """The id of a tokenizer's special `token` (it must round-trip: an unknown token maps to the
+    unk id, or to None); a UserError naming it otherwise."""
+    i = tokenizer.convert_tokens_to_ids(token)
+    if i is None or tokenizer.convert_ids_to_tokens(i) != token:
+        raise UserError(f"the tokenizer has no {token} token (a Qwen2-VL-style tokenizer has it as a special token; set data.tokenizer)")
+    return int(i)
+
+
 @dataclass
 class VisionProcessorConfig:
     """Qwen2-VL's image processing (its preprocessor_config.json's fields; the defaults are
@@ -186,11 +195,14 @@ class VisionSampleEncoder:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.sft = SFTTokenizer(tokenizer, template, max_length=max_length, **options)
-        self.image_token_id = self._token_id(image_token)
-        self.video_token_id = self._token_id(video_token)
+        self.image_token_id = special_token_id(self.tokenizer, image_token)
+        self.video_token_id = special_token_id(self.tokenizer, video_token)
         c = self.config
         if c.video_timestamps:
-            self.vision_start_id, self.vision_end_id = self._token_id(vision_start_token), self._token_id(vision_end_token)
+            self.vision_start_id, self.vision_end_id = (
+                special_token_id(self.tokenizer, vision_start_token),
+                special_token_id(self.tokenizer, vision_end_token),
+            )
             # the tokens the tokenizer cuts the text at before pre-tokenizing (its added tokens)
             added = getattr(tokenizer, "added_tokens_decoder", None) or {}
             self._cut_ids = {int(i) for i in added} | {self.image_token_id, self.video_token_id, self.vision_start_id, self.vision_end_id}
@@ -205,12 +217,6 @@ class VisionSampleEncoder:
         cls = _pil_processor_class()
         self.image_processor = cls(min_pixels=c.min_pixels, max_pixels=c.max_pixels, **common)
         self.frame_processor = cls(min_pixels=c.video_min_pixels, max_pixels=c.video_max_pixels, **common)
-
-    def _token_id(self, token: str) -> int:
-        i = self.tokenizer.convert_tokens_to_ids(token)
-        if i is None or self.tokenizer.convert_ids_to_tokens(i) != token:
-            raise UserError(f"the tokenizer has no {token} token (a Qwen2-VL-style tokenizer has it as a special token)")
-        return int(i)
 
     def encode(self, record: VisionRecord) -> dict:
         """The sample of `record` (module docstring); raises BadSample."""
