@@ -53,6 +53,7 @@ class VLMArch:
     image_mean: tuple  # the family's image normalization (its preprocessor_config.json)
     image_std: tuple
     hf_ids: tuple  # (our token id field, the HF config's key)
+    tokens: tuple  # (our token id field, the token's text in the family's tokenizer)
     projector: tuple  # the tower's parameter name prefixes that project into the language model
     text_model_type: str | None  # its text_config's model_type (None: the family's own)
     vision_from_hf: Callable[[dict], Any]  # the tower's config from the HF config.json
@@ -60,6 +61,12 @@ class VLMArch:
     legacy_vision_table: tuple | None = None  # HF names of checkpoints written by transformers 4, where they differ
 
 
+QWEN_TOKENS = (
+    ("image_token_id", "<|image_pad|>"),
+    ("video_token_id", "<|video_pad|>"),
+    ("vision_start_token_id", "<|vision_start|>"),
+    ("vision_end_token_id", "<|vision_end|>"),
+)
 QWEN_IDS = tuple((k, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"))
 ARCHS = {
     a.name: a
@@ -77,6 +84,7 @@ ARCHS = {
             CLIP_MEAN,
             CLIP_STD,
             QWEN_IDS,
+            QWEN_TOKENS,
             ("merger",),
             "qwen2_5_vl_text",
             lambda c: Qwen25VisionConfig.from_hf(c.get("vision_config") or {}),
@@ -95,6 +103,7 @@ ARCHS = {
             (0.5, 0.5, 0.5),
             (0.5, 0.5, 0.5),
             QWEN_IDS,
+            QWEN_TOKENS,
             ("merger", "deepstack_mergers"),
             "qwen3_vl_text",
             lambda c: Qwen3VisionConfig.from_hf(c.get("vision_config") or {}),
@@ -113,6 +122,7 @@ ARCHS = {
             (0.5, 0.5, 0.5),
             (0.5, 0.5, 0.5),
             (("image_token_id", "image_token_index"), ("video_token_id", "video_token_index")),
+            (("image_token_id", "<image>"), ("video_token_id", "<video>")),
             ("projector_", "image_newline"),
             None,
             LlavaOnevisionConfig.from_hf,

@@ -24,6 +24,8 @@ TENSORS = (
     "image_grid_thw",
     "pixel_values_videos",
     "video_grid_thw",
+    "image_sizes",
+    "batch_num_images",
 )
 
 
@@ -35,7 +37,7 @@ def pack_identity(cfg, tok) -> dict:
     identity = {
         "seq_length": cfg.data.seq_length,
         "tokenizer_size": len(tok),
-        "token_ids": token_ids(tok),
+        "token_ids": token_ids(tok, cfg.model.arch),
         **{f"processor.{k}": v for k, v in processor.items()},
     }
     return json.loads(json.dumps(identity))  # as the metadata file holds it (lists, not tuples)

@@ -33,14 +33,8 @@ from loongforge.core.train.trainer import Trainer
 from loongforge.vlm.model import VisionLanguageModel, VLMConfig, read_hf_config, vision_index, vlm_arch, vlm_config_from_dict, vlm_table
 from loongforge.vlm.model_io import families
 
-VISION_TOKENS = {
-    "image_token_id": "<|image_pad|>",
-    "video_token_id": "<|video_pad|>",
-    "vision_start_token_id": "<|vision_start|>",
-    "vision_end_token_id": "<|vision_end|>",
-}
-VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-VISION_GRIDS = ("image_grid_thw", "video_grid_thw")
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_sizes", "batch_num_images")
+HOST_INPUTS = ("image_grid_thw", "video_grid_thw", "image_sizes", "batch_num_images")  # sizes the model reads on the host
 
 
 def tokenizer_path(name: str) -> str:
@@ -50,11 +44,11 @@ def tokenizer_path(name: str) -> str:
     return str(TINY_TOKENIZER) if name == "tiny" else name
 
 
-def token_ids(tok) -> dict:
-    """The vision token ids of a tokenizer (a UserError naming a missing one)."""
+def token_ids(tok, arch: str) -> dict:
+    """The vision token ids of a tokenizer under an architecture (a UserError naming a missing one)."""
     from loongforge.vlm.data.encode import special_token_id
 
-    return {key: special_token_id(tok, text) for key, text in VISION_TOKENS.items()}
+    return {key: special_token_id(tok, text) for key, text in vlm_arch(arch).tokens}
 
 
 def resolve_model(cfg, tok) -> tuple[VLMConfig, str | None]:
@@ -62,9 +56,8 @@ def resolve_model(cfg, tok) -> tuple[VLMConfig, str | None]:
     directory or a checkpoint gives the architecture; otherwise the config's `model` section. The
     vision token ids are the tokenizer's."""
     load = cfg.checkpoint.load
-    ids = token_ids(tok)
     if not load:
-        return dataclasses.replace(cfg.model, **ids), None
+        return dataclasses.replace(cfg.model, **token_ids(tok, cfg.model.arch)), None
     if hf_io.is_hf_dir(load):
         _, mcfg = read_hf_config(load, families())
         check_trainable(mcfg)
@@ -74,10 +67,12 @@ def resolve_model(cfg, tok) -> tuple[VLMConfig, str | None]:
         if step is None:
             raise UserError(f"checkpoint.load={load}: neither an HF VLM directory (Qwen2.5-VL, Qwen3-VL) nor a LoongForge checkpoint")
         mcfg, source = vlm_config_from_dict(read_manifest(step)["config"]["model"]), "lf"
-    wrong = {k: (getattr(mcfg, k), v) for k, v in ids.items() if getattr(mcfg, k) != v}
-    if wrong:
-        k, (a, b) = next(iter(wrong.items()))
-        raise UserError(f"checkpoint.load={load} has {k}={a} but the tokenizer's {VISION_TOKENS[k]} is {b}; use the model's own tokenizer")
+    texts = dict(vlm_arch(mcfg.arch).tokens)
+    for k, v in token_ids(tok, mcfg.arch).items():
+        if getattr(mcfg, k) != v:
+            raise UserError(
+                f"checkpoint.load={load} has {k}={getattr(mcfg, k)} but the tokenizer's {texts[k]} is {v}; use the model's own tokenizer"
+            )
     return mcfg, source
 
 
@@ -194,8 +189,12 @@ def processor_config(model: VLMConfig, image: dict):
     )
 
 
-def sample_sizes(sample: dict) -> list:
-    """[tokens, [patches of each image and video]]: what a sample's cost depends on."""
+def sample_sizes(sample: dict, model: VLMConfig) -> list:
+    """[tokens, [patches of each vision item]]: what a sample's cost depends on (an item: an image
+    or video of patch grids; a LLaVA tile, which attends within itself)."""
+    if not vlm_arch(model.arch).grids:
+        tiles = 0 if sample.get("pixel_values") is None else sample["pixel_values"].shape[0]
+        return [len(sample["tokens"]), [model.tower.tile_side**2] * tiles]
     grids = [g for key in ("image_grid_thw", "video_grid_thw") if sample.get(key) is not None for g in sample[key]]
     return [len(sample["tokens"]), [int(g.prod()) for g in grids]]
 
@@ -206,7 +205,7 @@ def pack_all(cfg, samples: list[dict]) -> tuple[list[dict], list, float]:
     lengths = [len(s["tokens"]) for s in samples]
     bins = best_fit_decreasing(lengths, cfg.data.seq_length)
     packs = [make_pack([samples[i] for i in b]) for b in bins]
-    sizes = [[sample_sizes(samples[i]) for i in b] for b in bins]
+    sizes = [[sample_sizes(samples[i], cfg.model) for i in b] for b in bins]
     return packs, sizes, packing_efficiency(lengths, bins, cfg.data.seq_length)
 
 
@@ -287,7 +286,7 @@ class VLMTask(TrainingTask):
             pack = padded(pack, self.cfg.data.seq_length)
         if self.ctx is None or self.ctx.is_first_stage:
             pack = {**pack, **vision_index(self.mcfg, pack["tokens"])}
-        out = {k: (v if k in VISION_GRIDS else to_device(v, self.device)) for k, v in pack.items()}
+        out = {k: (v if k in HOST_INPUTS else to_device(v, self.device)) for k, v in pack.items()}
         out["max_seqlen"] = int(torch.diff(pack["cu_seqlens"]).max())
         return out
 
