@@ -163,7 +163,30 @@ def _pil_processor_class():
     return cls if cls is not None else transformers.Qwen2VLImageProcessor
 
 
-class VisionSampleEncoder:
+class ChatVisionEncoder:
+    """The chat-template side every family's encoder shares: a record rendered with the
+    tokenizer's template (core's SFTTokenizer `self.sft`: assistant-only labels), then the
+    family's `_expanded(record, ids, labels)` puts its vision items in."""
+
+    def encode(self, record: VisionRecord) -> dict:
+        """The sample of `record` (module docstring); raises BadSample."""
+        text = self.sft(record.messages, tools=record.tools)
+        return self._expanded(record, text["input_ids"], text["labels"])
+
+    def prompt(self, record: VisionRecord) -> dict:
+        """Generation inputs: `record`'s messages rendered with the template's generation prompt
+        (the assistant's turn opened), as `encode` returns them (labels all -100)."""
+        ids = self.tokenizer.apply_chat_template(
+            record.messages, chat_template=self.sft.template, add_generation_prompt=True, tokenize=True
+        )
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self._expanded(record, ids, [IGNORE] * len(ids))
+
+    def __call__(self, record: VisionRecord) -> dict:
+        return self.encode(record)
+
+
+class VisionSampleEncoder(ChatVisionEncoder):
     """VisionRecord -> sample dict (see the module docstring). `processor`: a
     VisionProcessorConfig or a dict of its fields; keyword options named as its fields
     (`max_pixels=...`, `tokens_per_second=...`) override them. `template` and the other keyword
@@ -217,20 +240,6 @@ class VisionSampleEncoder:
         cls = _pil_processor_class()
         self.image_processor = cls(min_pixels=c.min_pixels, max_pixels=c.max_pixels, **common)
         self.frame_processor = cls(min_pixels=c.video_min_pixels, max_pixels=c.video_max_pixels, **common)
-
-    def encode(self, record: VisionRecord) -> dict:
-        """The sample of `record` (module docstring); raises BadSample."""
-        text = self.sft(record.messages, tools=record.tools)
-        return self._expanded(record, text["input_ids"], text["labels"])
-
-    def prompt(self, record: VisionRecord) -> dict:
-        """Generation inputs: `record`'s messages rendered with the template's generation prompt
-        (the assistant's turn opened), as `encode` returns them (labels all -100)."""
-        ids = self.tokenizer.apply_chat_template(
-            record.messages, chat_template=self.sft.template, add_generation_prompt=True, tokenize=True
-        )
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return self._expanded(record, ids, [IGNORE] * len(ids))
 
     def _expanded(self, record: VisionRecord, ids: list, labels: list) -> dict:
         """Each vision pad expanded to its item's merged patches, the pixels, the positions."""
@@ -341,15 +350,12 @@ class VisionSampleEncoder:
             ids = self._piece_cache[text] = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return ids
 
-    def __call__(self, record: VisionRecord) -> dict:
-        return self.encode(record)
-
     # ---- media ---------------------------------------------------------------------------------
 
     def _images(self, sources) -> dict | None:
         if not sources:
             return None
-        pil = [_open(s) for s in sources]
+        pil = [open_source_image(s) for s in sources]
         try:
             out = self.image_processor(images=pil, return_tensors="pt")
         except ValueError as e:  # smart_resize refuses aspect ratios above 200
@@ -410,7 +416,9 @@ def group_seconds(frames: int, fps: float, temporal_patch_size: int) -> list[flo
     return [(times[g] + times[g + temporal_patch_size - 1]) / 2 for g in range(0, len(times), temporal_patch_size)]
 
 
-def _open(source):
+def open_source_image(source):
+    """A record's image source (a path, bytes or a PIL image) as an RGB PIL image; BadSample
+    (missing_media, corrupt_media, ...) where it cannot be opened."""
     if hasattr(source, "convert"):  # a PIL image given in a record built in code
         return source.convert("RGB")
     try:
@@ -419,4 +427,12 @@ def _open(source):
         raise BadSample(f"{e.reason}_media", e.message) from None
 
 
-__all__ = ["IMAGE_TOKEN", "VIDEO_TOKEN", "VisionProcessorConfig", "VisionSampleEncoder", "group_seconds"]
+__all__ = [
+    "IMAGE_TOKEN",
+    "VIDEO_TOKEN",
+    "ChatVisionEncoder",
+    "VisionProcessorConfig",
+    "VisionSampleEncoder",
+    "group_seconds",
+    "open_source_image",
+]
