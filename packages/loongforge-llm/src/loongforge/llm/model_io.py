@@ -14,7 +14,6 @@ from loongforge.core.checkpoint import (
     checkpoint_manifest,
     find_checkpoint,
     load_megatron,
-    read_manifest,
     save_megatron,
     verify_files,
 )
@@ -22,7 +21,7 @@ from loongforge.core.data.text import copy_tokenizer, tokenizer_dir_for
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf as hf_to_lf_state
-from loongforge.core.foundation.lora import LoRAConfig, is_adapter_key
+from loongforge.core.foundation.lora import is_adapter_key, lora_from_manifest
 from loongforge.core.foundation.model import CausalLM, load_lf_state
 from loongforge.core.foundation.spec import ModelConfig
 from loongforge.core.outputs import require_new_dir
@@ -39,11 +38,6 @@ def model_config_from_manifest(manifest: dict) -> ModelConfig:
     return ModelConfig(**manifest["config"]["model"])
 
 
-def lora_config_from_manifest(manifest: dict) -> LoRAConfig | None:
-    lora = LoRAConfig(**manifest["config"].get("lora", {}))
-    return lora if lora.enabled else None
-
-
 def load_model(path, base=None) -> CausalLM:
     """An HF directory or a LoongForge checkpoint (run dir, checkpoints dir or step dir) as a
     CPU fp32 `CausalLM` in eval mode: `model(input_ids)` -> logits [batch, seq, vocab].
@@ -58,7 +52,7 @@ def load_model(path, base=None) -> CausalLM:
         raise UserError(f"{path}: neither an HF model directory nor a LoongForge checkpoint")
     m = verify_files(step)
     cfg = model_config_from_manifest(m)
-    lora = lora_config_from_manifest(m)
+    lora = lora_from_manifest(m)
     model = CausalLM.build(registry().get("family", cfg.family), cfg, ctx, lora=lora)
     if checkpoint_stack(m) == "torch":  # DCP shards of the HF model: read whole, mapped by the family's table
         from loongforge.core.checkpoint.dcp_io import read_model_state
@@ -131,17 +125,11 @@ def lf_to_hf(ckpt, out_dir, dtype: torch.dtype = torch.float32, base=None) -> Pa
 
 
 def lf_to_peft(ckpt, out_dir, base=None) -> Path:
-    """A LoRA checkpoint's adapters as a PEFT adapter directory (with the tokenizer)."""
-    step = _existing_step(ckpt)
-    out = require_new_dir(out_dir)
-    if lora_config_from_manifest(read_manifest(step)) is None:
-        raise UserError(f"{step} has no LoRA adapters (trained with lora.rank=0); use lf-to-hf")
-    model = load_model(step, base)
-    model.save_peft(out, base or read_manifest(step)["config"]["checkpoint"]["load"])
-    tok_dir = tokenizer_dir_for(step)
-    if tok_dir is not None:
-        copy_tokenizer(tok_dir, out)
-    return out
+    """A LoRA checkpoint's adapters as a PEFT adapter directory (with the tokenizer); `base` (the
+    base model, by default the run's checkpoint.load) is loaded and recorded as the adapter's base."""
+    return hf_io.export_peft(
+        ckpt, out_dir, lambda step, out, recorded: load_model(step, base).save_peft(out, recorded), base, "use lf-to-hf"
+    )
 
 
 def _existing_step(ckpt) -> Path:

@@ -14,13 +14,7 @@ from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf, lora_to_pe
 from loongforge.core.foundation.lora import is_adapter_key, lora_from_manifest
 from loongforge.core.parallel import single_process_context
 from loongforge.core.registry import registry
-from loongforge.vlm.model import VisionLanguageModel, vlm_arch, vlm_config_from_dict, vlm_table
-
-# PEFT names modules by their paths in the transformers model: both architectures'
-# ForConditionalGeneration hold the language model and the vision tower here, whatever prefixes
-# their checkpoints use (Qwen2.5-VL's published ones say `model.layers.` and `visual.`)
-HF_LANGUAGE_MODULE = "model.language_model."
-HF_VISION_MODULE = "model.visual."
+from loongforge.vlm.model import VisionLanguageModel, hf_config, hf_state_table, vlm_arch, vlm_config_from_dict, vlm_table
 
 
 def families() -> dict:
@@ -74,7 +68,8 @@ def _lora_run(step: Path, manifest: dict, with_base: bool) -> tuple[VisionLangua
         if not base or not Path(base).exists():
             raise UserError(f"{step} holds LoRA adapters; its base model {base!r} is not there")
         if hf_io.is_hf_dir(base):
-            model.load_lf(hf_to_lf(vlm_table(family, cfg.arch), hf_io.load_hf_state(base), model.cfg))
+            hf = hf_io.load_hf_state(base)
+            model.load_lf(hf_to_lf(hf_state_table(family, cfg.arch, hf), hf, model.cfg))
         else:
             base_step = find_checkpoint(base)
             if base_step is None:
@@ -108,16 +103,9 @@ def lf_to_peft(ckpt, out_dir, base=None) -> Path:
     return hf_io.export_peft(ckpt, out_dir, _save_peft, base, "convert without --peft for the merged HF model")
 
 
-def hf_module_name(arch: str, name: str) -> str:
-    """An HF checkpoint name of `arch` (tensor or module) -> its path in the transformers model."""
-    a = vlm_arch(arch)
-    for prefix, module in sorted(((a.language_prefix, HF_LANGUAGE_MODULE), (a.vision_prefix, HF_VISION_MODULE)), key=lambda p: -len(p[0])):
-        if name.startswith(prefix):
-            return module + name.removeprefix(prefix)
-    return name
-
-
 def _save_peft(step: Path, out: Path, base_model_name_or_path: str | None) -> None:
+    import re
+
     manifest = _vlm_manifest(step)
     model, trained = _lora_run(step, manifest, with_base=False)
     arch = vlm_arch(model.cfg.arch)
@@ -127,16 +115,15 @@ def _save_peft(step: Path, out: Path, base_model_name_or_path: str | None) -> No
         )
     table = vlm_table(model.family, model.cfg.arch)
     state = model.lf_state()
-
-    def name(n: str) -> str:
-        return hf_module_name(model.cfg.arch, n)
-
-    tensors, modules = lora_to_peft(table, state, model.cfg, module_name=name)
-    # the parts trained whole (vision tower, merger), among every tensor of the model (names only)
+    # PEFT names modules by their paths in the transformers model, which may differ from the
+    # checkpoint names the table gives (Qwen2.5-VL's `model.layers.` are `model.language_model.layers.`)
+    paths = hf_io.transformers_names(hf_config(model.cfg, model.family))
+    tensors, modules = lora_to_peft(table, state, model.cfg, module_name=lambda n: paths[n + ".weight"].removesuffix(".weight"))
+    # the parts the run trained whole (vision tower, merger) go in as PEFT's modules_to_save
     whole = lf_to_hf(table, {k: v for k, v in state.items() if k in trained and not is_adapter_key(k)}, model.cfg, partial=True)
-    whole = {name(k): v for k, v in whole.items()}
-    every = {name(k) for k in lf_to_hf(table, {k: v.to("meta") for k, v in state.items()}, model.cfg)}
+    whole = {paths[k]: v for k, v in whole.items()}
     tensors.update({f"base_model.model.{k}": v for k, v in whole.items()})
+    (layers,) = {re.match(r"(.*?\.)\d+\.", m).group(1) for m in modules}  # e.g. model.language_model.layers.
     hf_io.save_peft(
         out,
         lora_from_manifest(manifest),
@@ -144,7 +131,7 @@ def _save_peft(step: Path, out: Path, base_model_name_or_path: str | None) -> No
         modules,
         model.cfg.language.num_layers,
         base_model_name_or_path,
-        layers_prefix=HF_LANGUAGE_MODULE + "layers.",
+        layers_prefix=layers,
         short_names=False,  # Qwen2.5-VL's vision blocks have gate_proj, up_proj and down_proj too
-        modules_to_save=hf_io.peft_modules_to_save(whole, every),
+        modules_to_save=hf_io.peft_modules_to_save(whole, paths.values()),
     )

@@ -222,18 +222,38 @@ def save_hf_dir(out_dir, config: dict, hf_state: dict, dtype=torch.float32) -> N
     _write_new_dir(out_dir, write)
 
 
-def save_peft(out_dir, lora, tensors: dict, modules: list[str], num_layers: int, base_model_name_or_path: str | None = None) -> None:
+def save_peft(
+    out_dir,
+    lora,
+    tensors: dict,
+    modules: list[str],
+    num_layers: int,
+    base_model_name_or_path: str | None = None,
+    *,
+    layers_prefix: str = "model.layers.",
+    short_names: bool = True,
+    modules_to_save: list[str] | None = None,
+) -> None:
     """A PEFT LoRA adapter directory: `peft.PeftModel.from_pretrained(base, out_dir)` loads it.
-    `target_modules` is the list of HF linear names when every layer carries the same ones, else
-    a regex naming exactly the modules that have adapters."""
+    `modules` are the adapters' module paths in the transformers model, each under
+    `layers_prefix` + the layer index. `target_modules` is the list of the linears' own names
+    (q_proj, ...) when every layer carries the same ones and `short_names` (no other module of the
+    base model has those names), a regex over the layers when every layer carries the same ones,
+    else a regex naming exactly the modules that have adapters. `modules_to_save`: modules trained
+    whole beside the adapters (`peft_modules_to_save`); their tensors are in `tensors` under
+    `base_model.model.<name>`."""
     import re
 
     from safetensors.torch import save_file
 
-    per_layer = {m.split(".", 3)[3] for m in modules}  # e.g. self_attn.q_proj
-    every = {f"model.layers.{i}.{p}" for i in range(num_layers) for p in per_layer}
-    if set(modules) == every:
+    if not all(m.startswith(layers_prefix) for m in modules):
+        raise ValueError(f"adapter modules outside {layers_prefix!r}: {[m for m in modules if not m.startswith(layers_prefix)][:3]}")
+    per_layer = {m.removeprefix(layers_prefix).split(".", 1)[1] for m in modules}  # e.g. self_attn.q_proj
+    every = {f"{layers_prefix}{i}.{p}" for i in range(num_layers) for p in per_layer}
+    if set(modules) == every and short_names:
         target = sorted(p.rsplit(".", 1)[1] for p in per_layer)
+    elif set(modules) == every:
+        target = re.escape(layers_prefix) + r"\d+\.(" + "|".join(re.escape(p) for p in sorted(per_layer)) + ")"
     else:
         target = "^(" + "|".join(re.escape(m) for m in sorted(modules)) + ")$"
     config = {
@@ -249,7 +269,7 @@ def save_peft(out_dir, lora, tensors: dict, modules: list[str], num_layers: int,
         "fan_in_fan_out": False,
         "inference_mode": True,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": sorted(modules_to_save) if modules_to_save else None,
     }
 
     def write(tmp: Path):
@@ -257,3 +277,79 @@ def save_peft(out_dir, lora, tensors: dict, modules: list[str], num_layers: int,
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
     _write_new_dir(out_dir, write)
+
+
+def transformers_names(config: dict) -> dict[str, str]:
+    """HF checkpoint tensor names (as transformers' `save_pretrained` writes them) -> the tensors'
+    paths in the transformers model of `config` (a config.json's contents; its class built on the
+    meta device), which is how PEFT names modules. transformers' own renames decide (Qwen2.5-VL's
+    checkpoints say `model.layers.` and `visual.` for its `model.language_model.layers.` and
+    `model.visual.`); tensors made by a conversion other than a rename are left out."""
+    import transformers
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        raise UserError(
+            f"mapping {config['architectures'][0]}'s names needs transformers 5 (installed: {transformers.__version__})"
+        ) from None
+    cls = getattr(transformers, config["architectures"][0])
+    with torch.device("meta"):
+        model = cls._from_config(cls.config_class.from_dict(config))
+    state = {k: v.detach() for k, v in model.state_dict().items()}  # one object per name (tied ones too)
+    path = {id(v): k for k, v in state.items()}
+    return {k: path[id(v)] for k, v in revert_weight_conversion(model, dict(state)).items() if id(v) in path}
+
+
+def peft_modules_to_save(trained, names) -> list[str]:
+    """The fewest modules whose tensors are exactly `trained`, for PEFT's `modules_to_save`:
+    `names` are every tensor name of the transformers model (module paths), `trained` those
+    trained whole. Each module chosen holds trained tensors only; a container whose children are
+    numbered (a ModuleList, which PEFT cannot stand in for) is never chosen, its children are."""
+    trained, names = set(trained), set(names)
+    if not trained <= names:
+        raise ValueError(f"trained tensors the model does not have: {sorted(trained - names)[:3]}")
+    under: dict[str, set] = {}  # module -> the tensor names in it
+    for n in names:
+        parts = n.split(".")
+        for i in range(1, len(parts)):
+            under.setdefault(".".join(parts[:i]), set()).add(n)
+
+    def numbered(mod: str) -> bool:
+        return all(n[len(mod) + 1 :].split(".", 1)[0].isdigit() for n in under[mod])
+
+    out = set()
+    for n in sorted(trained):
+        parts = n.split(".")
+        for i in range(1, len(parts)):
+            mod = ".".join(parts[:i])
+            if under[mod] <= trained and not numbered(mod):
+                out.add(mod)
+                break
+        else:
+            raise ValueError(f"trained tensor {n} is in no module that holds only trained tensors")
+    return sorted(out)
+
+
+def export_peft(ckpt, out_dir, save, base=None, other: str = "") -> Path:
+    """What every package's `lf_to_peft` does around its model: the checkpoint's step (`ckpt` a
+    run, checkpoints or step directory), refused in one line when it was trained without LoRA
+    (before `out_dir` is touched; `other` says what to do instead), then
+    `save(step, out_dir, base_model_name_or_path)` writes the adapter directory, recording `base`
+    or else the run's `checkpoint.load` as the base model, and the run's tokenizer goes beside it."""
+    from loongforge.core.checkpoint import find_checkpoint, read_manifest
+    from loongforge.core.data.text import copy_tokenizer, tokenizer_dir_for
+    from loongforge.core.foundation.lora import lora_from_manifest
+
+    step = find_checkpoint(ckpt)
+    if step is None:
+        raise UserError(f"{ckpt}: not a LoongForge checkpoint (no manifest.json or latest)")
+    out = require_new_dir(out_dir)
+    manifest = read_manifest(step)
+    if lora_from_manifest(manifest) is None:
+        raise UserError(f"{step} has no LoRA adapters (trained with lora.rank=0){'; ' + other if other else ''}")
+    save(step, out, base or manifest["config"].get("checkpoint", {}).get("load"))
+    tok = tokenizer_dir_for(step)
+    if tok is not None:
+        copy_tokenizer(tok, out)
+    return out

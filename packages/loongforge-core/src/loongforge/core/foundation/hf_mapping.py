@@ -144,13 +144,14 @@ def _fuse(row: Row, ts: list, cfg) -> torch.Tensor:
     return t
 
 
-def lf_to_hf(table, lf_state: dict, cfg) -> dict:
-    """LoongForge TP=1 state dict -> HF state dict."""
+def lf_to_hf(table, lf_state: dict, cfg, partial: bool = False) -> dict:
+    """LoongForge TP=1 state dict -> HF state dict. `partial`: `lf_state` holds only some of the
+    model's tensors (what a run trained, say); the HF tensors of those, the others skipped."""
     out = {}
     for row in table:
         for lf_name, slices, stacked in _expand(row, repeats(cfg), cfg):
             if lf_name not in lf_state:
-                if row.optional:
+                if row.optional or partial:
                     continue
                 raise UserError(f"checkpoint lacks tensor {lf_name!r}")
             t = lf_state[lf_name]
@@ -169,10 +170,14 @@ def _split(row: Row, t: torch.Tensor, cfg) -> tuple:
     return (t,)
 
 
-def lora_to_peft(table, lf_state: dict, cfg) -> tuple[dict, list[str]]:
+def lora_to_peft(table, lf_state: dict, cfg, module_name=None) -> tuple[dict, list[str]]:
     """LoRA adapters of a TP=1 LoongForge state dict -> PEFT tensors, and the HF module names
     that carry them. A fused linear's A serves each of its HF parts; its B splits like the weight
-    (so `B_q A` is exactly the q rows of the fused update)."""
+    (so `B_q A` is exactly the q rows of the fused update). `module_name`: an HF checkpoint's
+    module name -> the module's path in the transformers model, where the two differ (PEFT names
+    modules by the model's paths; Qwen2.5-VL checkpoints say `model.layers.` for the model's
+    `model.language_model.layers.`)."""
+    module_name = module_name or (lambda name: name)
     out, modules = {}, []
     for row in table:
         if not row.lf.endswith(".weight"):
@@ -183,7 +188,7 @@ def lora_to_peft(table, lf_state: dict, cfg) -> tuple[dict, list[str]]:
                 continue
             a = lf_state[base + "lora_a"]
             for h, b in zip(slices[0], _split(row, lf_state[base + "lora_b"], cfg)):
-                mod = h.removesuffix(".weight")
+                mod = module_name(h.removesuffix(".weight"))
                 out[f"base_model.model.{mod}.lora_A.weight"] = a.detach().clone().contiguous()
                 out[f"base_model.model.{mod}.lora_B.weight"] = b.detach().clone().contiguous()
                 modules.append(mod)

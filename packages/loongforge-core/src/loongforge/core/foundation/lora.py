@@ -115,6 +115,12 @@ def _short(linear: str) -> str:
     return linear.rsplit(".", 1)[-1]
 
 
+def lora_from_manifest(manifest: dict) -> LoRAConfig | None:
+    """A checkpoint's LoRA config (its manifest's `lora` section); None for a run without adapters."""
+    lora = LoRAConfig(**manifest["config"].get("lora", {}))
+    return lora if lora.enabled else None
+
+
 def is_adapter_key(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
 
