@@ -31,9 +31,9 @@ TENSORS = (
 
 def pack_identity(cfg, tok) -> dict:
     """What decides a run's packs beyond its data files: the checks `PrepackedVisionPacks` makes."""
-    from loongforge.vlm.recipe import processor_config, token_ids
+    from loongforge.vlm.recipe import processing_identity, token_ids
 
-    processor = dataclasses.asdict(processor_config(cfg.model, dataclasses.asdict(cfg.data.image)))
+    processor = processing_identity(cfg.model, dataclasses.asdict(cfg.data.image))
     identity = {
         "seq_length": cfg.data.seq_length,
         "tokenizer_size": len(tok),

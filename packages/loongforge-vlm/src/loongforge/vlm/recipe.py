@@ -38,10 +38,11 @@ HOST_INPUTS = ("image_grid_thw", "video_grid_thw", "image_sizes", "batch_num_ima
 
 
 def tokenizer_path(name: str) -> str:
-    """`tiny`: the shipped demo tokenizer with the Qwen2-VL vision tokens; else an HF directory."""
-    from loongforge.vlm.data import TINY_TOKENIZER
+    """`tiny`: the shipped demo tokenizer with the Qwen2-VL vision tokens; `tiny_llava`: the one
+    with LLaVA-OneVision's `<image>` and template; else an HF directory."""
+    from loongforge.vlm.data import TINY_LLAVA_TOKENIZER, TINY_TOKENIZER
 
-    return str(TINY_TOKENIZER) if name == "tiny" else name
+    return str({"tiny": TINY_TOKENIZER, "tiny_llava": TINY_LLAVA_TOKENIZER}.get(name, name))
 
 
 def token_ids(tok, arch: str) -> dict:
@@ -60,7 +61,6 @@ def resolve_model(cfg, tok) -> tuple[VLMConfig, str | None]:
         return dataclasses.replace(cfg.model, **token_ids(tok, cfg.model.arch)), None
     if hf_io.is_hf_dir(load):
         _, mcfg = read_hf_config(load, families())
-        check_trainable(mcfg)
         source = "hf"
     else:
         step = find_checkpoint(load)
@@ -99,19 +99,8 @@ def validate(cfg, mcfg: VLMConfig, tok) -> None:
         raise UserError("lora.rank > 0 trains adapters on frozen weights: set checkpoint.load to the base model")
 
 
-def check_trainable(mcfg: VLMConfig) -> None:
-    """Architectures whose data processing is built (Qwen-VL's patch grids); LLaVA-OneVision's
-    anyres tiling runs in its model and HF in / out, not yet in the data pipeline."""
-    if not vlm_arch(mcfg.arch).grids:
-        raise UserError(
-            f"model.arch={mcfg.arch}: its image processing (anyres tiles) is not in the data pipeline yet, so it cannot be trained; "
-            "load_model, convert and HF logits work"
-        )
-
-
 def validate_data(cfg, mcfg: VLMConfig, tok) -> None:
     """The data section against the model and tokenizer (training and preprocessing)."""
-    check_trainable(mcfg)
     d = cfg.data
     if len(tok) > mcfg.language.vocab_size:
         raise UserError(
@@ -189,6 +178,22 @@ def processor_config(model: VLMConfig, image: dict):
     )
 
 
+def sample_encoder(model: VLMConfig, tok, image: dict, max_length: int):
+    """The architecture's sample encoder under a run's `data.image` settings (a dict)."""
+    from loongforge.vlm.data import LlavaSampleEncoder, VisionSampleEncoder
+
+    if vlm_arch(model.arch).grids:
+        return VisionSampleEncoder(tok, processor_config(model, image), max_length=max_length)
+    return LlavaSampleEncoder(tok, model.tower, max_length=max_length)
+
+
+def processing_identity(model: VLMConfig, image: dict) -> dict:
+    """What of the image processing decides a run's samples (a prepacked directory records it)."""
+    if vlm_arch(model.arch).grids:
+        return dataclasses.asdict(processor_config(model, image))
+    return {"llava_onevision": dataclasses.asdict(model.tower)}
+
+
 def sample_sizes(sample: dict, model: VLMConfig) -> list:
     """[tokens, [patches of each vision item]]: what a sample's cost depends on (an item: an image
     or video of patch grids; a LLaVA tile, which attends within itself)."""
@@ -212,7 +217,7 @@ def pack_all(cfg, samples: list[dict]) -> tuple[list[dict], list, float]:
 def encoded_samples(cfg, tok, run_dir: Path) -> tuple[list[dict], dict]:
     """Every sample of `data.paths`, encoded (bad ones counted and skipped, or an error), and the
     bad samples' counts by reason; the demo set is generated under `run_dir/data/demo`."""
-    from loongforge.vlm.data import VisionSampleEncoder, encode_all, read_records, write_demo_dataset
+    from loongforge.vlm.data import encode_all, read_records, write_demo_dataset
 
     d = cfg.data
     paths = list(d.paths)
@@ -223,8 +228,7 @@ def encoded_samples(cfg, tok, run_dir: Path) -> tuple[list[dict], dict]:
             if dist.is_initialized():
                 dist.barrier()
         paths = [str(demo / "data.json")]
-    processor = processor_config(cfg.model, dataclasses.asdict(d.image))
-    encoder = VisionSampleEncoder(tok, processor, max_length=d.seq_length)
+    encoder = sample_encoder(cfg.model, tok, dataclasses.asdict(d.image), d.seq_length)
     samples, bad = encode_all(read_records(paths, d.format, d.media_root), encoder, d.on_bad_sample, progress=True)
     if bad:
         on_rank0(lambda: print("vlm data: skipped " + ", ".join(f"{n} {reason}" for reason, n in sorted(bad.items())), flush=True))

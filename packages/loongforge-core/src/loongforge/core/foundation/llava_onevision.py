@@ -292,6 +292,10 @@ class LlavaOnevisionVision(nn.Module):
         self.projector_fc1 = nn.Linear(width, cfg.text_hidden_size, bias=bias)
         self.projector_fc2 = nn.Linear(cfg.text_hidden_size, cfg.text_hidden_size, bias=bias)
         self.image_newline = nn.Parameter(torch.randn(cfg.text_hidden_size) / math.sqrt(cfg.text_hidden_size))
+        # kept for the round trip, never used: out of training (they would get no gradient)
+        self.tower.final_norm.requires_grad_(False)
+        for layer in self.tower.layers[max(cfg.feature_layers) :]:
+            layer.requires_grad_(False)
 
     def blocks(self) -> list[nn.Module]:
         """The tower's encoder layers: the unit of FSDP sharding and activation recompute."""
