@@ -103,6 +103,8 @@ def test_logits_match_hf(pair):
     with torch.no_grad():
         want = ref(**b).logits
     got = ours.hf_logits(**b)
+    with torch.no_grad():
+        assert torch.equal(ours(**b), got)  # called as HF's model is
     keep = b["attention_mask"].bool()
     for r in range(3):
         w, o = want[r][keep[r]], got[r][keep[r]]

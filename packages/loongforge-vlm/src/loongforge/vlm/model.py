@@ -249,7 +249,9 @@ def hf_state_table(family: FamilySpec, arch: str, keys) -> tuple:
 class VisionLanguageModel(nn.Module):
     """`model(tokens, positions, cu_seqlens, pixel_values=, image_grid_thw=, ...)` on one THD pack
     (tokens [1, T], positions [3, T] M-RoPE rows restarting per sample, cu_seqlens [samples + 1]):
-    logits [1, T, vocab], or with `labels` / `loss_weights` [1, T] the weighted loss sum."""
+    logits [1, T, vocab], or with `labels` / `loss_weights` [1, T] the weighted loss sum.
+    `model(input_ids=..., attention_mask=..., pixel_values=..., ...)`, the HF processor's outputs
+    as the HF model takes them: logits [batch, seq, vocab] (`hf_logits`)."""
 
     def __init__(self, cfg: VLMConfig, family: FamilySpec, vision: nn.Module, language: nn.Module):
         super().__init__()
@@ -389,7 +391,19 @@ class VisionLanguageModel(nn.Module):
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest, rotary_cos=cos, rotary_sin=sin
         )
 
-    def forward(self, tokens, positions, cu_seqlens, labels=None, loss_weights=None, decoder_input=None, max_seqlen=None, **vision_inputs):
+    def forward(
+        self,
+        tokens=None,
+        positions=None,
+        cu_seqlens=None,
+        labels=None,
+        loss_weights=None,
+        decoder_input=None,
+        max_seqlen=None,
+        **vision_inputs,
+    ):
+        if tokens is None and "input_ids" in vision_inputs:  # called as HF's model is: the processor's outputs
+            return self.hf_logits(**vision_inputs)
         packed = self.rotary_pack(positions, cu_seqlens, max_seqlen)
         if self.vision is not None and decoder_input is None:
             decoder_input, deep = self.embed(tokens, **vision_inputs)
