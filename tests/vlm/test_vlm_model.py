@@ -163,3 +163,26 @@ def test_bad_configs(hf_dir, tmp_path):
     cfg.vision["out_hidden_size"] = 16
     with pytest.raises(UserError, match="out_hidden_size=16 must equal model.language.hidden_size=32"):
         VisionLanguageModel.build(fam, cfg, ctx())
+
+
+def test_vision_recompute_runs_blocks_again_in_backward(hf_dir):
+    """vision_recompute: each ViT block runs twice per training step (forward, then again in
+    backward) and gives the same gradients as without it."""
+    from loongforge.core.foundation import hf_io
+    from loongforge.core.foundation.hf_mapping import hf_to_lf
+    from loongforge.vlm.model import vlm_table
+
+    family, cfg = read_hf_config(hf_dir, {"qwen2": QWEN2})
+    state = hf_io.load_hf_state(hf_dir)
+    b = batch()
+    grads, calls = [], []
+    for recompute in (False, True):
+        m = VisionLanguageModel.build(family, cfg, ctx(), vision_recompute=recompute)
+        m.load_lf(hf_to_lf(vlm_table(family, cfg.arch), state, m.cfg))
+        n = [0]
+        m.vision.blocks[0].qkv.register_forward_hook(lambda *_: n.__setitem__(0, n[0] + 1))
+        with torch.enable_grad():
+            m.vision(b["pixel_values"], b["image_grid_thw"]).square().sum().backward()
+        grads.append(m.vision.blocks[0].qkv.weight.grad.clone())
+        calls.append(n[0])
+    assert calls == [1, 2] and torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-7)

@@ -305,3 +305,11 @@ def test_preprocess_once_then_train(demo_run, tmp_path):
     assert r.returncode == 2 and "was written with seq_length=128" in r.stderr, r.stderr[-2000:]
     r = run_cli(["preprocess", "qwen2_5_vl_tiny", str(packs), *FAST], module=VLM)
     assert r.returncode == 2, r.stderr[-2000:]
+
+
+def test_recompute_per_part_keeps_the_losses(demo_run, tmp_path):
+    """recompute.vision / recompute.language (each block's activations recomputed in backward)
+    change no loss: 3 steps equal the demo run's first 3."""
+    _, want = demo_run
+    got = train(tmp_path / "rc", "recompute.vision=true", "recompute.language=true", steps=3)
+    assert all(abs(got[s] - want[s]) <= 1e-6 * abs(want[s]) for s in (1, 2, 3)), (got, want)

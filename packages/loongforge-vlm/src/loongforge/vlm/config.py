@@ -47,6 +47,15 @@ class ImageConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    """Activation recompute per part (each block's activations recomputed in backward); None:
+    `train.recompute`."""
+
+    vision: Optional[bool] = None  # the vision tower's blocks
+    language: Optional[bool] = None  # the language model's layers
+
+
+@dataclass
 class VLMDataConfig:
     # files of conversations: LLaVA-style JSON, sharegpt / openai messages (JSON / JSONL) or
     # parquet with image bytes; "demo": the shipped generator's shapes (written into the run dir)
@@ -77,6 +86,7 @@ class VLMRunConfig:
     model: VLMConfig = field(default_factory=VLMConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     lr_mult: LRMultConfig = field(default_factory=LRMultConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters on the language model's linears
     data: VLMDataConfig = field(default_factory=VLMDataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -265,8 +265,18 @@ class VisionLanguageModel(nn.Module):
 
     @classmethod
     def build(
-        cls, family: FamilySpec, cfg: VLMConfig, ctx, ops: OpTable | None = None, params_dtype=torch.float32, recompute=False, lora=None
+        cls,
+        family: FamilySpec,
+        cfg: VLMConfig,
+        ctx,
+        ops: OpTable | None = None,
+        params_dtype=torch.float32,
+        recompute=False,
+        lora=None,
+        vision_recompute=False,
     ):
+        """`recompute`: the language model's layers' activations recomputed in backward;
+        `vision_recompute`: the vision tower's blocks'."""
         cfg = dataclasses.replace(cfg, language=family.resolve(cfg.language))
         cfg.check()
         ops = ops or OpTable()
@@ -285,6 +295,11 @@ class VisionLanguageModel(nn.Module):
                     f"{cfg.deepstack_layers}: lower parallel.pipeline_model_parallel_size"
                 )
             add_layer_additions(layers)
+        if vision is not None and vision_recompute:
+            from loongforge.core.stacks.torch_native import recompute_block
+
+            for block in vision.blocks if isinstance(vision.blocks, nn.ModuleList) else vision.blocks():
+                recompute_block(block)
         if vision is not None:
             from loongforge.core.parallel.split_data import SPLIT_DATA_ATTR
 

@@ -254,7 +254,16 @@ class VLMTask(TrainingTask):
         self.activation_shape = (cfg.data.seq_length, 1, mcfg.language.hidden_size)
 
     def build_model(self):
-        model = VisionLanguageModel.build(self.family, self.mcfg, self.ctx, self.ops, recompute=self.cfg.train.recompute, lora=self.lora)
+        rc, default = self.cfg.recompute, self.cfg.train.recompute
+        model = VisionLanguageModel.build(
+            self.family,
+            self.mcfg,
+            self.ctx,
+            self.ops,
+            recompute=default if rc.language is None else rc.language,
+            lora=self.lora,
+            vision_recompute=default if rc.vision is None else rc.vision,
+        )
         freeze(model, self.cfg.freeze, self.cfg.lr_mult)
         return model.to(self.device)
 

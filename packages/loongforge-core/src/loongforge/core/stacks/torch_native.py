@@ -63,7 +63,7 @@ def balanced_owners(numels: list[int], ranks: int) -> list[int]:
     return owner
 
 
-def _recompute(block: torch.nn.Module) -> None:
+def recompute_block(block: torch.nn.Module) -> None:
     """Activation checkpointing of one block: its forward runs under non-reentrant
     `torch.utils.checkpoint`, replacing the bound method in place so parameter names (and
     so checkpoints) are the same with and without recompute, and fully_shard/compile still
@@ -156,7 +156,7 @@ class TorchNativeStack(TrainStack):
             self.low_precision = MasterWeights(model, self.params_dtype)
         if self.recompute:
             for b in blocks:
-                _recompute(b)
+                recompute_block(b)
         if self.compile:
             for b in blocks:
                 b.compile()
