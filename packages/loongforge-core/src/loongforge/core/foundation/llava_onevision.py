@@ -321,7 +321,7 @@ class LlavaOnevisionVision(nn.Module):
         x = torch.cat([states[k] for k in wanted], dim=-1)
         if self.cfg.vision_feature_select_strategy == "default":
             x = x[:, 1:]
-        return self.projector_fc2(F.gelu(self.projector_fc1(x.to(self.projector_fc1.weight.dtype))))
+        return self.projector_fc2(self.tower.ops.gelu(self.projector_fc1(x.to(self.projector_fc1.weight.dtype))))
 
     def forward(self, pixel_values: torch.Tensor, image_sizes, batch_num_images=None) -> torch.Tensor:
         sizes = [tuple(int(v) for v in s) for s in (image_sizes.tolist() if torch.is_tensor(image_sizes) else image_sizes)]

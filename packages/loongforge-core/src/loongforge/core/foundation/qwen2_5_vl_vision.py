@@ -227,5 +227,5 @@ class Qwen25VisionTower(nn.Module):
             cu, longest = (layout.cu_image, layout.max_image) if i in full else (layout.cu_window, layout.max_window)
             x = block(x, cos, sin, cu, longest)
         x = self.ops.rms_norm(x, self.merger_norm, 1e-6).view(-1, self.merger_fc1.in_features)
-        merged = self.merger_fc2(F.gelu(self.merger_fc1(x)))
+        merged = self.merger_fc2(self.ops.gelu(self.merger_fc1(x)))
         return merged[layout.unmerge]

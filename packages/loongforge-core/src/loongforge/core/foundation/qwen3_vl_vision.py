@@ -142,26 +142,28 @@ class VisionBlock(nn.Module):
 
     def forward(self, x, cos, sin, cu, max_len):
         t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(t, 3, self.heads, -1).unbind(1)
+        q, k, v = self.qkv(self.ops.layer_norm(x, self.norm1.weight, self.norm1.bias, 1e-6)).view(t, 3, self.heads, -1).unbind(1)
         q, k = self.ops.rotary(q, k, cos, sin, False)
         x = x + self.proj(self.ops.packed_attention(q, k, v, cu, cu, None, max_len, max_len).reshape(t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+        h = self.ops.layer_norm(x, self.norm2.weight, self.norm2.bias, 1e-6)
+        return x + self.fc2(self.ops.gelu(self.fc1(h), "tanh"))
 
 
 class PatchMerger(nn.Module):
     """Each merge block's patches concatenated, then an MLP; the LayerNorm runs per patch before
     the concatenation (the final merger) or on the concatenation (`postshuffle`: DeepStack's)."""
 
-    def __init__(self, cfg: Qwen3VisionConfig, postshuffle: bool):
+    def __init__(self, cfg: Qwen3VisionConfig, ops: OpTable, postshuffle: bool):
         super().__init__()
         merged = cfg.hidden_size * cfg.spatial_merge_size**2
-        self.merged, self.postshuffle = merged, postshuffle
+        self.merged, self.postshuffle, self.ops = merged, postshuffle, ops
         self.norm = nn.LayerNorm(merged if postshuffle else cfg.hidden_size, eps=1e-6)
         self.fc1, self.fc2 = nn.Linear(merged, merged), nn.Linear(merged, cfg.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x.view(-1, self.merged)) if self.postshuffle else self.norm(x).view(-1, self.merged)
-        return self.fc2(F.gelu(self.fc1(x)))
+        x = x.view(-1, self.merged) if self.postshuffle else x
+        x = self.ops.layer_norm(x, self.norm.weight, self.norm.bias, 1e-6).view(-1, self.merged)
+        return self.fc2(self.ops.gelu(self.fc1(x)))
 
 
 class Qwen3VisionTower(nn.Module):
@@ -178,8 +180,8 @@ class Qwen3VisionTower(nn.Module):
         self.patch_embed = nn.Conv3d(cfg.in_channels, d, (cfg.temporal_patch_size, p, p), stride=(cfg.temporal_patch_size, p, p))
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, d)
         self.blocks = nn.ModuleList(VisionBlock(cfg, ops) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg, postshuffle=False)
-        self.deepstack_mergers = nn.ModuleList(PatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack_visual_indexes)
+        self.merger = PatchMerger(cfg, ops, postshuffle=False)
+        self.deepstack_mergers = nn.ModuleList(PatchMerger(cfg, ops, postshuffle=True) for _ in cfg.deepstack_visual_indexes)
 
     def pos_embeds(self, grid_thw) -> torch.Tensor:
         """The learned grid resampled to each image's (rows, columns), in the processor's order

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from loongforge.core.foundation.hf_mapping import Row
 from loongforge.core.ops import OpTable
 from torch import nn
@@ -116,10 +115,13 @@ class SiglipEncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(self._norm(self.norm1, x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         attn = self.ops.attention(q, k, v, causal=False)  # [b, heads, s, d]
         x = x + self.proj(attn.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+        return x + self.fc2(self.ops.gelu(self.fc1(self._norm(self.norm2, x)), "tanh"))
+
+    def _norm(self, norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.layer_norm(x, norm.weight, norm.bias, self.eps)
 
 
 class SiglipVisionTower(nn.Module):
@@ -128,7 +130,7 @@ class SiglipVisionTower(nn.Module):
     def __init__(self, cfg: SiglipVisionConfig, ops: OpTable | None = None):
         super().__init__()
         ops = ops or OpTable()
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.patch_embed = nn.Conv2d(cfg.num_channels, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size)
         self.pos_embed = nn.Embedding(cfg.num_patches, cfg.hidden_size)
         self.layers = nn.ModuleList(SiglipEncoderLayer(cfg, ops) for _ in range(cfg.num_layers))
@@ -144,7 +146,7 @@ class SiglipVisionTower(nn.Module):
             x = x.to(self.layers[0].qkv.weight.dtype)
         for layer in self.layers:
             x = layer(x)
-        return self.final_norm(x)
+        return self.ops.layer_norm(x, self.final_norm.weight, self.final_norm.bias, self.cfg.norm_eps)
 
     def blocks(self) -> list[nn.Module]:
         """The encoder layers: the unit of FSDP sharding and activation recompute."""

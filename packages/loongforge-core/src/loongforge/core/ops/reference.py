@@ -153,6 +153,16 @@ def qkv_rope(
     return q.transpose(0, 1), k.transpose(0, 1), v
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension (the vision towers': SigLIP, Qwen3-VL)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU, exact or `approximate="tanh"` (the vision towers' MLPs and projectors)."""
+    return F.gelu(x, approximate=approximate)
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a [..., 2*ffn] tensor laid out [gate | up]: silu(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)

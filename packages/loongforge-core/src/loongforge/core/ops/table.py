@@ -15,6 +15,8 @@ REFERENCE_OPS: dict[str, Callable] = {
     "qkv_rope": reference.qkv_rope,
     "rotary": reference.rotary,
     "swiglu": reference.swiglu,
+    "layer_norm": reference.layer_norm,
+    "gelu": reference.gelu,
     "attention": reference.attention,
     "varlen_attention": reference.varlen_attention,
     "packed_attention": reference.packed_attention,
