@@ -9,13 +9,12 @@ HF `generate`; the shipped tiny config trains, exports and answers as HF does.""
 import numpy as np
 import pytest
 import torch
-from loongforge.core.foundation.families import QWEN2, QWEN3
 from loongforge.core.foundation.llava_onevision import image_token_count
 from loongforge.core.parallel import init_parallel
-from loongforge.vlm.model import VisionLanguageModel, read_hf_config
+from loongforge.vlm.model import VisionLanguageModel
+from vlm_oracle import FAMILIES, assert_round_trip, load_pair, row_error, save_perturbed
 
 VOCAB, IMG, VID = 96, 90, 91
-FAMILIES = {"qwen2": QWEN2, "qwen3": QWEN3}
 PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
 SIZES = [(30, 100), (50, 60)]  # a 1 x 2 grid with padding rows cut; a 2 x 2 grid
 
@@ -48,14 +47,7 @@ def hf_dir(tmp_path_factory):
         video_token_index=VID,
         image_grid_pinpoints=PINPOINTS,
     )
-    torch.manual_seed(0)
-    model = LlavaOnevisionForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    out = tmp_path_factory.mktemp("hf") / "llava_ov"
-    model.save_pretrained(str(out))
-    return out
+    return save_perturbed(LlavaOnevisionForConditionalGeneration, cfg, tmp_path_factory.mktemp("hf") / "llava_ov")
 
 
 def batch(tower):
@@ -90,13 +82,7 @@ def batch(tower):
 def pair(hf_dir):
     from transformers import LlavaOnevisionForConditionalGeneration
 
-    ref = LlavaOnevisionForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    ours = VisionLanguageModel.from_hf(hf_dir, FAMILIES, init_parallel(1, 1, "gloo", "cpu")).eval()
-    return ref, ours
-
-
-def _rel(got, want, keep, r):
-    return float((got[r][keep[r]] - want[r][keep[r]]).abs().max() / want.abs().max())
+    return load_pair(LlavaOnevisionForConditionalGeneration, hf_dir)
 
 
 def test_logits_match_hf(pair):
@@ -108,7 +94,7 @@ def test_logits_match_hf(pair):
     got = ours.hf_logits(**b)
     keep = b["attention_mask"].bool()
     for r in range(3):
-        assert _rel(got, want, keep, r) < 1e-5, r
+        assert row_error(got, want, keep, r) < 1e-5, r
     # negative control: without image_newline the image samples' logits change, the text's do not
     with torch.no_grad():
         saved = ours.vision.image_newline.detach().clone()
@@ -118,24 +104,13 @@ def test_logits_match_hf(pair):
     finally:
         with torch.no_grad():
             ours.vision.image_newline.copy_(saved)
-    assert _rel(off, want, keep, 0) > 1e-3 and _rel(off, want, keep, 1) < 1e-5
+    assert row_error(off, want, keep, 0) > 1e-3 and row_error(off, want, keep, 1) < 1e-5
 
 
 def test_round_trip_bit_identical(pair, hf_dir, tmp_path):
-    from loongforge.core.foundation.hf_io import load_hf_state
     from transformers import LlavaOnevisionForConditionalGeneration
 
-    ref, ours = pair
-    src = load_hf_state(hf_dir)
-    back = ours.hf_state_dict()
-    assert set(back) == set(src) and all(torch.equal(back[k], src[k]) for k in src)
-    ours.save_hf(tmp_path / "out")
-    again = LlavaOnevisionForConditionalGeneration.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
-    b = batch(ours.cfg.tower)
-    with torch.no_grad():
-        assert torch.equal(again(**b).logits, ref(**b).logits)
-    _, cfg = read_hf_config(tmp_path / "out", FAMILIES)
-    assert cfg == ours.cfg
+    assert_round_trip(LlavaOnevisionForConditionalGeneration, *pair, hf_dir, tmp_path / "out", batch(pair[1].cfg.tower))
 
 
 def test_transformers_4_names_load(pair, hf_dir, tmp_path):

@@ -12,6 +12,7 @@ from loongforge.core.errors import UserError
 from loongforge.core.foundation.families import QWEN2
 from loongforge.core.parallel import init_parallel
 from loongforge.vlm.model import VisionLanguageModel, read_hf_config
+from vlm_oracle import assert_round_trip, load_pair, save_perturbed
 
 VOCAB, IMG, VID, START, END = 96, 90, 91, 92, 93
 TEXT = dict(
@@ -44,14 +45,7 @@ def hf_dir(tmp_path_factory):
         vision_start_token_id=START,
         vision_end_token_id=END,
     )
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    out = tmp_path_factory.mktemp("hf") / "qwen25vl"
-    model.save_pretrained(str(out))
-    return out
+    return save_perturbed(Qwen2_5_VLForConditionalGeneration, cfg, tmp_path_factory.mktemp("hf") / "qwen25vl")
 
 
 def sample(text, *items):
@@ -92,9 +86,7 @@ def batch():
 def pair(hf_dir):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    ours = VisionLanguageModel.from_hf(hf_dir, {"qwen2": QWEN2}, ctx()).eval()
-    return ref, ours
+    return load_pair(Qwen2_5_VLForConditionalGeneration, hf_dir)
 
 
 def test_logits_match_hf(pair):
@@ -120,21 +112,9 @@ def test_logits_match_hf(pair):
 
 
 def test_round_trip_bit_identical(pair, hf_dir, tmp_path):
-    from loongforge.core.foundation.hf_io import load_hf_state
-
-    _, ours = pair
-    src = load_hf_state(hf_dir)
-    back = ours.hf_state_dict()
-    assert set(back) == set(src) and all(torch.equal(back[k], src[k]) for k in src)
-    ours.save_hf(tmp_path / "out")
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    again = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
-    b = batch()
-    with torch.no_grad():
-        assert torch.allclose(again(**b).logits, pair[0](**b).logits, atol=0, rtol=0)
-    fam, cfg = read_hf_config(tmp_path / "out", {"qwen2": QWEN2})
-    assert cfg == ours.cfg
+    assert_round_trip(Qwen2_5_VLForConditionalGeneration, *pair, hf_dir, tmp_path / "out", batch())
 
 
 def test_greedy_generate_matches_hf(pair):

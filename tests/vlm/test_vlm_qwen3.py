@@ -8,12 +8,10 @@ tokens equal HF `generate`; the shipped tiny Qwen3-VL config trains on the demo.
 import pytest
 import torch
 from conftest import losses, run_cli
-from loongforge.core.foundation.families import QWEN2, QWEN3
-from loongforge.core.parallel import init_parallel
-from loongforge.vlm.model import VisionLanguageModel, read_hf_config
+from loongforge.core.foundation.families import QWEN3
+from vlm_oracle import assert_round_trip, load_pair, row_error, save_perturbed
 
 VOCAB, IMG, VID, START, END = 96, 90, 91, 92, 93
-FAMILIES = {"qwen2": QWEN2, "qwen3": QWEN3}
 TEXT = dict(
     vocab_size=VOCAB,
     hidden_size=32,
@@ -43,14 +41,7 @@ def hf_dir(tmp_path_factory):
     cfg = Qwen3VLConfig(
         text_config=TEXT, vision_config=VISION, image_token_id=IMG, video_token_id=VID, vision_start_token_id=START, vision_end_token_id=END
     )
-    torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    out = tmp_path_factory.mktemp("hf") / "qwen3vl"
-    model.save_pretrained(str(out))
-    return out
+    return save_perturbed(Qwen3VLForConditionalGeneration, cfg, tmp_path_factory.mktemp("hf") / "qwen3vl")
 
 
 def sample(seed, text, *items):
@@ -89,13 +80,7 @@ def batch():
 def pair(hf_dir):
     from transformers import Qwen3VLForConditionalGeneration
 
-    ref = Qwen3VLForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    ours = VisionLanguageModel.from_hf(hf_dir, FAMILIES, init_parallel(1, 1, "gloo", "cpu")).eval()
-    return ref, ours
-
-
-def _rel(got, want, keep, r):
-    return float((got[r][keep[r]] - want[r][keep[r]]).abs().max() / want.abs().max())
+    return load_pair(Qwen3VLForConditionalGeneration, hf_dir)
 
 
 def test_logits_match_hf(pair):
@@ -107,7 +92,7 @@ def test_logits_match_hf(pair):
     got = ours.hf_logits(**b)
     keep = b["attention_mask"].bool()
     for r in range(3):
-        assert _rel(got, want, keep, r) < 1e-5, r
+        assert row_error(got, want, keep, r) < 1e-5, r
 
 
 def test_deepstack_and_interleaving_matter(pair):
@@ -123,7 +108,7 @@ def test_deepstack_and_interleaving_matter(pair):
         flat = ours.hf_logits(**b)
     finally:
         ours.interleaved = True
-    assert _rel(flat, want, keep, 0) > 1e-3 and _rel(flat, want, keep, 2) > 1e-3 and _rel(flat, want, keep, 1) < 1e-5
+    assert row_error(flat, want, keep, 0) > 1e-3 and row_error(flat, want, keep, 2) > 1e-3 and row_error(flat, want, keep, 1) < 1e-5
     merger = ours.vision.deepstack_mergers[0].fc2
     saved = merger.weight.detach().clone(), merger.bias.detach().clone()
     with torch.no_grad():
@@ -133,24 +118,13 @@ def test_deepstack_and_interleaving_matter(pair):
     finally:
         with torch.no_grad():
             merger.weight.copy_(saved[0]), merger.bias.copy_(saved[1])
-    assert _rel(shallow, want, keep, 0) > 1e-3 and _rel(shallow, want, keep, 1) < 1e-5
+    assert row_error(shallow, want, keep, 0) > 1e-3 and row_error(shallow, want, keep, 1) < 1e-5
 
 
 def test_round_trip_bit_identical(pair, hf_dir, tmp_path):
-    from loongforge.core.foundation.hf_io import load_hf_state
     from transformers import Qwen3VLForConditionalGeneration
 
-    ref, ours = pair
-    src = load_hf_state(hf_dir)
-    back = ours.hf_state_dict()
-    assert set(back) == set(src) and all(torch.equal(back[k], src[k]) for k in src)
-    ours.save_hf(tmp_path / "out")
-    again = Qwen3VLForConditionalGeneration.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
-    b = batch()
-    with torch.no_grad():
-        assert torch.equal(again(**b).logits, ref(**b).logits)
-    _, cfg = read_hf_config(tmp_path / "out", FAMILIES)
-    assert cfg == ours.cfg
+    assert_round_trip(Qwen3VLForConditionalGeneration, *pair, hf_dir, tmp_path / "out", batch())
 
 
 def test_greedy_generate_matches_hf(pair):
