@@ -5,6 +5,7 @@ and trains; resume is exact; TP=2 and DP=2 on 2 gloo processes give the single-p
 bad input is one line and exit 2."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -183,15 +184,33 @@ def test_two_processes_match_one(layout, demo_run, single_from_hf, tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("parallel.stack=torch", "VLMs train on the megatron stack"),
         ("train.micro_batch_size=2", "set train.micro_batch_size=1"),
         ("model.language.mrope_section=[1,1,1]", "must sum to the 8 rotary pairs"),
         ("model.vision.out_hidden_size=32", "must equal model.language.hidden_size=64"),
         ("data.on_bad_sample=drop", "choose skip or error"),
         ("data.tokenizer=tiny-missing", "tokenizer not found"),
-        ("data.paths=[nowhere.json]", "nowhere.json"),
         ("model.language.vocab_size=400", "tokenizer has 500 tokens"),
+        ("model.vision.window_sizes=[4]", "model.vision.window_sizes is not a field of the qwen2_5_vl vision tower"),
     ],
+)
+def test_bad_config_is_one_user_error(override, message):
+    """The run's checks before anything is built or written, in process (the CLI's exit code and
+    single line are the next test's)."""
+    from loongforge.core.data.text import load_tokenizer
+    from loongforge.core.errors import UserError
+    from loongforge.core.recipes import resolve
+    from loongforge.vlm.recipe import resolve_model, tokenizer_path, validate
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        _, cfg = resolve("qwen2_5_vl_tiny", [override], prefer="vlm")
+        tok = load_tokenizer(tokenizer_path(cfg.data.tokenizer))
+        mcfg, _ = resolve_model(cfg, tok)
+        validate(cfg, mcfg, tok)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [("parallel.stack=torch", "VLMs train on the megatron stack"), ("data.paths=[nowhere.json]", "nowhere.json")],
 )
 def test_bad_input_is_one_line(override, message, tmp_path):
     r = run_cli(["train", "qwen2_5_vl_tiny", f"checkpoint.run_dir={tmp_path / 'run'}", override], module=VLM)
