@@ -55,6 +55,17 @@ def make_hf_model(family: str, out: Path, seed: int = 0, **overrides):
     return model
 
 
+def perturbed(build, scale: float = 0.02) -> torch.nn.Module:
+    """`build()` (a random model, after seeding 0) in eval mode, every parameter moved by noise of
+    `scale`: an init's zero biases and unit norms would hide a wrong mapping of them."""
+    torch.manual_seed(0)
+    model = build().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model
+
+
 def spread_router(hf, seed: int = 1) -> None:
     """An HF MoE model's router weights (and DeepSeek-style expert biases) large enough that the
     choice of experts differs between tokens and depends on the bias (HF initializes routers

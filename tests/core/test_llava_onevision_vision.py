@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import perturbed
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import llava_onevision as lov
 from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf
@@ -52,12 +53,7 @@ def hf_model(cfg: LlavaOnevisionConfig):
     hc = transformers.LlavaOnevisionConfig(
         **{**d, "text_config": {**TEXT, **d["text_config"]}}, image_token_index=IMAGE_ID, video_token_index=VIDEO_ID
     )
-    torch.manual_seed(0)
-    model = transformers.LlavaOnevisionModel(hc).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    return model
+    return perturbed(lambda: transformers.LlavaOnevisionModel(hc))
 
 
 def vision_state(model) -> dict:

@@ -5,6 +5,7 @@ LoongForge -> HF every tensor bit-identical."""
 
 import pytest
 import torch
+from conftest import perturbed
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf
 from loongforge.core.foundation.qwen2_5_vl_vision import QWEN25_VISION_TABLE, Qwen25VisionConfig, Qwen25VisionTower
@@ -21,11 +22,7 @@ def pair():
 
     hc = Qwen2_5_VLVisionConfig(**CFG.hf_config())
     hc._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    ref = Qwen2_5_VisionTransformerPretrainedModel(hc).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+    ref = perturbed(lambda: Qwen2_5_VisionTransformerPretrainedModel(hc))
     ours = Qwen25VisionTower(CFG).eval()
     ours.load_state_dict(hf_to_lf(QWEN25_VISION_TABLE, ref.state_dict(), CFG), strict=True)
     return ref, ours

@@ -6,6 +6,7 @@ and down; HF -> LoongForge -> HF every tensor bit-identical."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import perturbed
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf
 from loongforge.core.foundation.qwen3_vl_vision import QWEN3_VISION_TABLE, Qwen3VisionConfig, Qwen3VisionTower
@@ -34,11 +35,7 @@ def pair():
 
     hc = Qwen3VLVisionConfig(**CFG.hf_config())
     hc._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    ref = Qwen3VLVisionModel(hc).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+    ref = perturbed(lambda: Qwen3VLVisionModel(hc))
     ours = Qwen3VisionTower(CFG).eval()
     ours.load_state_dict(hf_to_lf(QWEN3_VISION_TABLE, ref.state_dict(), CFG), strict=True)
     return ref, ours

@@ -4,6 +4,7 @@ with two images of different sizes, a text-only sample and a sample with a two-f
 pads the batch; ours packs it); HF -> LoongForge -> HF every tensor bit-identical; 8 greedy
 tokens equal HF `generate`."""
 
+import dataclasses
 import json
 
 import pytest
@@ -140,7 +141,7 @@ def test_bad_configs(hf_dir, tmp_path):
     with pytest.raises(UserError, match="model_type 'llava' is not a supported VLM"):
         read_hf_config(bad, {"qwen2": QWEN2})
     fam, cfg = read_hf_config(hf_dir, {"qwen2": QWEN2})
-    cfg.vision["out_hidden_size"] = 16
+    cfg = dataclasses.replace(cfg, vision={**cfg.vision, "out_hidden_size": 16})
     with pytest.raises(UserError, match="out_hidden_size=16 must equal model.language.hidden_size=32"):
         VisionLanguageModel.build(fam, cfg, ctx())
 

@@ -7,9 +7,9 @@ tokens equal HF `generate`; the shipped tiny Qwen3-VL config trains on the demo.
 
 import pytest
 import torch
-from conftest import losses, run_cli
+from conftest import losses
 from loongforge.core.foundation.families import QWEN3
-from vlm_oracle import assert_round_trip, load_pair, row_error, save_perturbed
+from vlm_oracle import assert_round_trip, load_pair, row_error, save_perturbed, train_demo
 
 VOCAB, IMG, VID, START, END = 96, 90, 91, 92, 93
 TEXT = dict(
@@ -141,19 +141,7 @@ def test_greedy_generate_matches_hf(pair):
 def test_demo_trains_as_qwen3_vl(tmp_path):
     """The shipped tiny Qwen3-VL config (its tower's DeepStack into the first layers, a Qwen3
     language model with interleaved M-RoPE) trains 12 steps on the demo and exports to HF."""
-    r = run_cli(
-        [
-            "train",
-            "qwen3_vl_tiny",
-            "data.demo_samples=48",
-            "data.seq_length=128",
-            "train.train_iters=12",
-            "train.log_interval=1",
-            f"checkpoint.run_dir={tmp_path}",
-        ],
-        module="loongforge.vlm.cli",
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_demo("qwen3_vl_tiny", tmp_path)
     got = losses(tmp_path)
     assert got[12] < got[1], got
     assert (tmp_path / "hf" / "config.json").is_file()  # Qwen3-VL exports as Qwen3VLForConditionalGeneration

@@ -409,7 +409,7 @@ def test_config_field_and_hf_directories(tmp_path, tok):
         VisionSampleEncoder(tok, {"videos": True})
     assert VisionSampleEncoder(tok, {"video_timestamps": True}).config.video_timestamps
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
-    for model_type, stamped in (("qwen3_vl", True), ("qwen3_vl_moe", True), ("qwen2_5_vl", False)):
+    for model_type, stamped in (("qwen3_vl", True), ("qwen2_5_vl", False), ("llava_onevision", False)):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "vision_config": {}}))
         assert VisionProcessorConfig.from_hf(tmp_path).video_timestamps is stamped
     assert VisionProcessorConfig.from_hf(tmp_path, video_timestamps=True).video_timestamps

@@ -3,6 +3,7 @@ source, the HF and LoongForge pair built from it, the error measure, and the rou
 tensor bit-identical, the export's logits equal HF's, the config read back equal)."""
 
 import torch
+from conftest import perturbed, run_cli
 from loongforge.core.foundation.families import QWEN2, QWEN3
 from loongforge.core.parallel import init_parallel
 from loongforge.vlm.model import VisionLanguageModel, read_hf_config
@@ -12,12 +13,7 @@ FAMILIES = {"qwen2": QWEN2, "qwen3": QWEN3}
 
 def save_perturbed(hf_class, config, out):
     """A random HF model moved away from its init (biases and norms too), saved to `out`."""
-    torch.manual_seed(0)
-    model = hf_class(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(str(out))
+    perturbed(lambda: hf_class(config), 0.05).save_pretrained(str(out))
     return out
 
 
@@ -45,3 +41,22 @@ def assert_round_trip(hf_class, ref, ours, hf_dir, out, inputs: dict) -> None:
         assert torch.equal(again(**inputs).logits, ref(**inputs).logits)
     _, cfg = read_hf_config(out, FAMILIES)
     assert cfg == ours.cfg
+
+
+def train_demo(config: str, run_dir, *overrides: str):
+    """The shipped `config` trains 12 steps on 48 demo samples of 128 tokens (the CLI's run)."""
+    r = run_cli(
+        [
+            "train",
+            config,
+            "data.demo_samples=48",
+            "data.seq_length=128",
+            "train.train_iters=12",
+            "train.log_interval=1",
+            f"checkpoint.run_dir={run_dir}",
+            *overrides,
+        ],
+        module="loongforge.vlm.cli",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r

@@ -14,6 +14,7 @@ table, the names published checkpoints and `save_pretrained` write.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import typing
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ class VLMArch:
     projector: tuple  # the tower's parameter name prefixes that project into the language model
     text_model_type: str | None  # its text_config's model_type (None: the family's own)
     vision_from_hf: Callable[[dict], Any]  # the tower's config from the HF config.json
-    vision_to_hf: Callable[[Any], dict]  # the HF config.json entries of the tower's config
+    vision_to_hf: Callable[[Any], dict]  # the HF config.json entries of the vision side (given the VLMConfig)
     legacy_vision_table: tuple | None = None  # HF names of checkpoints written by transformers 4, where they differ
 
 
@@ -88,7 +89,10 @@ ARCHS = {
             projector=("merger",),
             text_model_type="qwen2_5_vl_text",
             vision_from_hf=lambda c: Qwen25VisionConfig.from_hf(c.get("vision_config") or {}),
-            vision_to_hf=lambda v: {"vision_config": {**v.hf_config(), "model_type": "qwen2_5_vl_vision"}},
+            # its video time positions' rate sits in its vision_config
+            vision_to_hf=lambda c: {
+                "vision_config": {**c.tower.hf_config(), "model_type": "qwen2_5_vl_vision", "tokens_per_second": c.tokens_per_second}
+            },
         ),
         VLMArch(
             name="qwen3_vl",
@@ -107,7 +111,7 @@ ARCHS = {
             projector=("merger", "deepstack_mergers"),
             text_model_type="qwen3_vl_text",
             vision_from_hf=lambda c: Qwen3VisionConfig.from_hf(c.get("vision_config") or {}),
-            vision_to_hf=lambda v: {"vision_config": {**v.hf_config(), "model_type": "qwen3_vl_vision"}},
+            vision_to_hf=lambda c: {"vision_config": {**c.tower.hf_config(), "model_type": "qwen3_vl_vision"}},
         ),
         VLMArch(
             name="llava_onevision",
@@ -126,7 +130,7 @@ ARCHS = {
             projector=("projector_", "image_newline"),
             text_model_type=None,
             vision_from_hf=LlavaOnevisionConfig.from_hf,
-            vision_to_hf=lambda v: v.hf_config(),
+            vision_to_hf=lambda c: c.tower.hf_config(),
             legacy_vision_table=llava_onevision_vision_table(tower_prefix="vision_tower.vision_model."),
         ),
     )
@@ -153,10 +157,10 @@ class VLMConfig:
     vision_end_token_id: int = 151653
     tokens_per_second: int = 2  # video: M-RoPE time positions per second of video
 
-    @property
+    @functools.cached_property
     def tower(self):
         """The arch's vision config from `vision` (its defaults where not given; a UserError naming
-        a field the arch's tower does not have)."""
+        a field the arch's tower does not have), built on first use: `vision` is not changed after."""
         kind = vlm_arch(self.arch).vision_config
         known = {f.name for f in dataclasses.fields(kind)}
         unknown = sorted(set(self.vision) - known)
@@ -591,11 +595,11 @@ def hf_config(cfg: VLMConfig, family: FamilySpec, dtype=torch.float32) -> dict:
     text = hf_io.hf_config_dict(family, cfg.language, dtype)
     text.pop("architectures")
     text["model_type"] = arch.text_model_type or text["model_type"]
-    out = {"architectures": [arch.hf_architecture], "model_type": arch.name, **arch.vision_to_hf(cfg.tower), "text_config": text}
-    if arch.name == "qwen2_5_vl":  # its video time positions' rate sits in its vision_config
-        out["vision_config"]["tokens_per_second"] = cfg.tokens_per_second
     return {
-        **out,
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.name,
+        **arch.vision_to_hf(cfg),
+        "text_config": text,
         "tie_word_embeddings": cfg.language.tie_word_embeddings,
         "dtype": text["dtype"],
         **{h: getattr(cfg, k) for k, h in arch.hf_ids},

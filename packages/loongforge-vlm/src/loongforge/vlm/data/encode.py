@@ -66,7 +66,6 @@ from loongforge.vlm.data.formats import VisionRecord
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
 VISION_START_TOKEN, VISION_END_TOKEN = "<|vision_start|>", "<|vision_end|>"
-TIMESTAMPED_VIDEO_MODELS = ("qwen3_vl", "qwen3_vl_moe")  # HF model_types whose videos take timestamps
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -149,8 +148,11 @@ class VisionProcessorConfig:
         tps = (model.get("vision_config") or {}).get("tokens_per_second")
         if tps is not None:
             kw["tokens_per_second"] = tps
-        if model.get("model_type") in TIMESTAMPED_VIDEO_MODELS:
-            kw["video_timestamps"] = True
+        from loongforge.vlm.model import ARCHS  # the architectures' table imports this module
+
+        arch = ARCHS.get(model.get("model_type"))
+        if arch is not None:
+            kw["video_timestamps"] = arch.frames_apart
         return cls(**{**kw, **overrides})
 
 
