@@ -60,3 +60,35 @@ def train_demo(config: str, run_dir, *overrides: str):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def save_tiny_llava_onevision(out, image_token: int, video_token: int, vocab: int = 96, pinpoints=((28, 28), (28, 56), (56, 28), (56, 56))):
+    """A tiny perturbed `LlavaOnevisionForConditionalGeneration` (SigLIP 28 px tiles of 7 px
+    patches, a 2-layer Qwen2) saved to `out`."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    cfg = LlavaOnevisionConfig(
+        text_config=dict(
+            model_type="qwen2",
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=7,
+            vision_use_head=False,
+        ),
+        image_token_index=image_token,
+        video_token_index=video_token,
+        image_grid_pinpoints=[list(p) for p in pinpoints],
+    )
+    return save_perturbed(LlavaOnevisionForConditionalGeneration, cfg, out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +26,14 @@ import torch
 from loongforge.core.errors import UserError
 from loongforge.core.foundation import hf_io
 from loongforge.core.foundation.hf_mapping import hf_to_lf, lf_to_hf, prefixed
-from loongforge.core.foundation.llava_onevision import LlavaOnevisionConfig, LlavaOnevisionVision, llava_onevision_vision_table
+from loongforge.core.foundation.llava_onevision import (
+    LlavaOnevisionConfig,
+    LlavaOnevisionVision,
+    image_token_count,
+    llava_onevision_vision_table,
+    num_image_tiles,
+    video_token_count,
+)
 from loongforge.core.foundation.lora import merged_state
 from loongforge.core.foundation.model import load_lf_state, local_state
 from loongforge.core.foundation.mrope import IMAGE, TEXT, VIDEO, mrope_positions, mrope_tables
@@ -286,8 +294,6 @@ class VisionLanguageModel(nn.Module):
         ops = ops or OpTable()
         language = build_gpt_model(cfg.language, ctx, ops, params_dtype, recompute, lora)
         arch = vlm_arch(cfg.arch)
-        if not arch.grids and ctx.tp_size > 1:
-            raise UserError(f"model.arch={cfg.arch}: its vision tower runs at tensor_model_parallel_size=1 only")
         vision = arch.tower(cfg.tower, ops).to(params_dtype) if ctx.is_first_stage else None
         if cfg.deepstack_layers and ctx.is_first_stage:
             from loongforge.core.foundation.layers import add_layer_additions
@@ -364,35 +370,45 @@ class VisionLanguageModel(nn.Module):
         pixels = inputs.get("pixel_values" if kind == "image" else "pixel_values_videos")
         if pixels is None:
             return None
+        tower = self.cfg.tower
         if vlm_arch(self.cfg.arch).grids:
-            return self.vision_features(pixels, inputs[f"{kind}_grid_thw"], dtype)
-        if kind == "video":
-            return [self.vision.video_features(pixels).to(dtype)]
-        return [self.vision(pixels, inputs["image_sizes"], inputs.get("batch_num_images")).to(dtype)]
+            rows = grid_rows(inputs[f"{kind}_grid_thw"])
+            sizes = [t * h * w for t, h, w in rows]
+            first = [0, *itertools.accumulate(sizes)]
+            counts = [n // tower.spatial_merge_size**2 for n in sizes]
+            return self.split_features(sizes, counts, lambda a, b: self._encode(pixels[first[a] : first[b]], rows[a:b]), dtype)
+        if kind == "video":  # [videos, frames, channels, size, size]
+            frames = pixels.shape[1]
+            costs, counts = [frames] * pixels.shape[0], [video_token_count(tower, frames)] * pixels.shape[0]
+            return self.split_features(costs, counts, lambda a, b: [self.vision.video_features(pixels[a:b])], dtype)
+        sizes, multi = self.vision.image_layout(inputs["image_sizes"], inputs.get("batch_num_images"))
+        tiles = self.vision.image_tiles(pixels, sizes, multi)
+        costs = [num_image_tiles(tower, h, w, m) for (h, w), m in zip(sizes, multi)]
+        first = [0, *itertools.accumulate(costs)]
+        counts = [image_token_count(tower, h, w, m) for (h, w), m in zip(sizes, multi)]
+        return self.split_features(
+            costs, counts, lambda a, b: [self.vision.image_features(tiles[first[a] : first[b]], sizes[a:b], multi[a:b])], dtype
+        )
 
-    def vision_features(self, pixels, grid, dtype) -> list[torch.Tensor]:
-        """[the merged features of every image (video) of the pack, in order, then each DeepStack
-        layer's]. With TP > 1 each rank of the language model's TP group (which share the pack)
-        encodes a contiguous share of the items and the shares are gathered: the ViT is data
-        parallel over all ranks."""
+    def split_features(self, costs: list[int], counts: list[int], encode, dtype) -> list[torch.Tensor]:
+        """[the features of every vision item of the pack, in order, then each DeepStack layer's]:
+        `encode(a, b)` gives items a..b-1's ([rows, hidden] each; `counts` rows per item). With
+        TP > 1 each rank of the language model's TP group (which share the pack) encodes a
+        contiguous share of the items, near-equal by `costs`, and the shares are gathered: the
+        vision tower is data parallel over all ranks."""
         group = self.language.tp_group
         if group is None or group.size() == 1:
-            return [f.to(dtype) for f in self._encode(pixels, grid)]
+            return [f.to(dtype) for f in encode(0, len(costs))]
         from loongforge.core.parallel.split_data import gather_rows, split_items
 
-        rows = grid_rows(grid)
-        sizes = [t * h * w for t, h, w in rows]
-        bounds = split_items(sizes, group.size())
+        bounds = split_items(costs, group.size())
         start, stop = bounds[group.rank()]
-        merge = self.cfg.tower.spatial_merge_size**2
-        counts = [sum(sizes[a:b]) // merge for a, b in bounds]
         if stop > start:
-            first = sum(sizes[:start])
-            mine = self._encode(pixels[first : first + sum(sizes[start:stop])], rows[start:stop])
+            mine = encode(start, stop)
         else:
-            empty = pixels.new_zeros(0, self.cfg.tower.out_hidden_size, dtype=dtype)
+            empty = self.language.embedding.word_embeddings.weight.new_zeros(0, self.cfg.language.hidden_size, dtype=dtype)
             mine = [empty] * (1 + self.cfg.deepstack_layers)
-        return [gather_rows(f.to(dtype), group, counts) for f in mine]
+        return [gather_rows(f.to(dtype), group, [sum(counts[a:b]) for a, b in bounds]) for f in mine]
 
     def _encode(self, pixels, grid) -> list[torch.Tensor]:
         out = self.vision(pixels, grid)

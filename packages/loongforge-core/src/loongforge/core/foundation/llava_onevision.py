@@ -324,25 +324,40 @@ class LlavaOnevisionVision(nn.Module):
         return self.projector_fc2(self.tower.ops.gelu(self.projector_fc1(x.to(self.projector_fc1.weight.dtype))))
 
     def forward(self, pixel_values: torch.Tensor, image_sizes, batch_num_images=None) -> torch.Tensor:
+        sizes, multi = self.image_layout(image_sizes, batch_num_images)
+        return self.image_features(self.image_tiles(pixel_values, sizes, multi), sizes, multi)
+
+    def image_layout(self, image_sizes, batch_num_images=None) -> tuple[list[tuple[int, int]], list[bool]]:
+        """(each image's original (height, width), whether it is one of several in its sample)."""
         sizes = [tuple(int(v) for v in s) for s in (image_sizes.tolist() if torch.is_tensor(image_sizes) else image_sizes)]
         if batch_num_images is None:
-            multi = [False] * len(sizes)
-        else:
-            counts = batch_num_images.tolist() if torch.is_tensor(batch_num_images) else list(batch_num_images)
-            multi = [n != 1 for n in counts for _ in range(n)]
-            if len(multi) != len(sizes):
-                raise ValueError(f"batch_num_images {counts} count {len(multi)} images, image_sizes holds {len(sizes)}")
+            return sizes, [False] * len(sizes)
+        counts = batch_num_images.tolist() if torch.is_tensor(batch_num_images) else list(batch_num_images)
+        multi = [n != 1 for n in counts for _ in range(n)]
+        if len(multi) != len(sizes):
+            raise ValueError(f"batch_num_images {counts} count {len(multi)} images, image_sizes holds {len(sizes)}")
+        return sizes, multi
+
+    def image_tiles(self, pixel_values: torch.Tensor, sizes, multi) -> torch.Tensor:
+        """The processor's pixel_values ([images, tiles, ...] padded, or every image's tiles back to
+        back) -> the tiles of every image back to back [tiles, channels, size, size]."""
         tiles = [num_image_tiles(self.cfg, h, w, m) for (h, w), m in zip(sizes, multi)]
         if pixel_values.dim() == 5:
             if pixel_values.shape[0] != len(sizes) or pixel_values.shape[1] < max(tiles):
                 raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not hold the tiles {tiles} of images of sizes {sizes}")
-            pixel_values = torch.cat([p[:n] for p, n in zip(pixel_values, tiles)])
-        elif pixel_values.dim() != 4 or pixel_values.shape[0] != sum(tiles):
+            return torch.cat([p[:n] for p, n in zip(pixel_values, tiles)])
+        if pixel_values.dim() != 4 or pixel_values.shape[0] != sum(tiles):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not hold the tiles {tiles} of images of sizes {sizes}")
-        if self.cfg.vision_feature_select_strategy == "default" and max(tiles) > 1:
+        return pixel_values
+
+    def image_features(self, tiles: torch.Tensor, sizes, multi) -> torch.Tensor:
+        """Every image's tiles back to back, the images' sizes and multi-image flags -> features
+        [image tokens of all images, text_hidden_size] (`image_token_count` rows per image)."""
+        counts = [num_image_tiles(self.cfg, h, w, m) for (h, w), m in zip(sizes, multi)]
+        if self.cfg.vision_feature_select_strategy == "default" and max(counts, default=1) > 1:
             raise _default_strategy_refused()
-        features = self.tile_features(pixel_values)
-        return torch.cat([self.pack(f, size) for f, size in zip(features.split(tiles), sizes)])
+        features = self.tile_features(tiles)
+        return torch.cat([self.pack(f, size) for f, size in zip(features.split(counts), sizes)])
 
     def pack(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """One image's tile features [tiles, patches, hidden] -> its token features (HF's
