@@ -138,6 +138,37 @@ def test_read_video_sampling_and_errors(demo, tmp_path):
     assert e.value.reason == "corrupt"
 
 
+def test_uniform_frames_whole_video(demo, tmp_path):
+    """A fixed count spread over the whole video equals decoding every frame and indexing, whether
+    the container records the frame count (mp4) or it comes from the packets (matroska)."""
+    import av
+    from loongforge.core.data.media import uniform_frames, uniform_indices
+
+    path = demo / "videos/00003.mp4"
+    every = read_video(path, FRAMES, None)
+    mkv = tmp_path / "same.mkv"
+    with av.open(str(path)) as src, av.open(str(mkv), "w", format="matroska") as dst:
+        out = dst.add_stream_from_template(src.streams.video[0])
+        for packet in src.demux(src.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = out
+                dst.mux(packet)
+    with av.open(str(mkv)) as c:
+        assert c.streams.video[0].frames == 0  # no count in the container: the packets are counted
+    for source in (path, mkv, path.read_bytes()):
+        for n in (1, 4, FRAMES, 2 * FRAMES):  # more than the video has: frames repeat
+            assert np.array_equal(uniform_frames(source, n), every[uniform_indices(FRAMES, n)]), (source, n)
+    assert uniform_indices(9, 4).tolist() == [0, 2, 4, 6]
+    with pytest.raises(BadMedia) as e:
+        uniform_frames(tmp_path / "nope.mp4", 2)
+    assert e.value.reason == "missing"
+    junk = tmp_path / "junk.mp4"
+    junk.write_bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes())
+    with pytest.raises(BadMedia) as e:
+        uniform_frames(junk, 2)
+    assert e.value.reason == "corrupt"
+
+
 def test_read_image(tmp_path):
     from PIL import Image
 

@@ -174,21 +174,38 @@ def test_config_value_out_of_range_on_the_cli(override, message, tmp_path):
 
 
 def test_empty_and_textless_corpus_files(tmp_path):
-    for name, content, needle in [
+    """The CLI: one line, exit 2, no checkpoint; the other cases through the same data step in process."""
+    import re
+
+    from loongforge.core.data.text import load_tokenizer
+    from loongforge.core.errors import UserError
+    from loongforge.core.recipes import resolve
+    from loongforge.llm.pretrain import ensure_data
+
+    cases = [
         ("empty.jsonl", "", "data file is empty: {}"),
         ("empty.txt", "", "data file is empty: {}"),
         ("blank.txt", "\n  \n\n", "data file is empty: {}"),
         ("notext.jsonl", '{"text": ""}\n{"text": "  "}\n{"text": null}\n', "no usable text in {}"),
         ("missing.jsonl", None, "{}"),  # named with what is wrong: not found / not a file
-    ]:
-        f = tmp_path / name
+    ]
+    for name, content, _ in cases:
         if content is not None:
-            f.write_text(content)
-        run = tmp_path / f"run_{name}"
-        _one_line_error(
-            run_cli(["train", "tiny", *FAST, "train.train_iters=2", f"checkpoint.run_dir={run}", f"data.corpus=[{f}]"]), needle.format(f)
-        )
-        assert not (run / "checkpoints").exists()
+            (tmp_path / name).write_text(content)
+    name, _, needle = cases[0]
+    run = tmp_path / "run_cli"
+    _one_line_error(
+        run_cli(["train", "tiny", *FAST, "train.train_iters=2", f"checkpoint.run_dir={run}", f"data.corpus=[{tmp_path / name}]"]),
+        needle.format(tmp_path / name),
+    )
+    assert not (run / "checkpoints").exists()
+    tok = load_tokenizer("tiny")
+    for name, _, needle in cases[1:]:
+        f, run = tmp_path / name, tmp_path / f"run_{name}"
+        _, cfg = resolve("tiny", [f"data.corpus=[{f}]"], prefer="llm")
+        with pytest.raises(UserError, match=re.escape(needle.format(f))):
+            ensure_data(cfg, tok, run)
+        assert not list(run.rglob("*.idx")), name
 
 
 def test_preprocess_skips_null_rows_and_refuses_textless_data(tmp_path):

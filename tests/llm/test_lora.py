@@ -116,17 +116,13 @@ def test_lora_user_errors(trained, rows_file, hf_llama4, tmp_path):
     _one_line_error(
         run_cli(["train", "lora", f"checkpoint.run_dir={tmp_path / 'a'}", "checkpoint.load=null"]), "set checkpoint.load to the base model"
     )
-    _one_line_error(
-        _lora(rows_file, tmp_path / "b", hf_llama4, "lora.target_modules=[q_proj,v_proj]"),
-        "q_proj, v_proj share one fused linear",
-        "k_proj",
-    )
-    _one_line_error(_lora(rows_file, tmp_path / "c", hf_llama4, "lora.target_modules=[qkv]"), "unknown module 'qkv'")
+    # the config's own checks are test_bad_lora_config's; one found on the built model:
     _one_line_error(_lora(rows_file, tmp_path / "d", hf_llama4, "lora.target_modules=[decoder.layers.9*.mlp.*]"), "matched no linear")
-    _one_line_error(_lora(rows_file, tmp_path / "e", hf_llama4, "lora.rank=-1"), "lora.rank=-1")
     # a checkpoint without adapters has nothing for lf-to-peft; the output directory stays untouched
     base_ckpt = tmp_path / "base_ckpt"
-    assert run_cli(["convert", "hf-to-lf", str(hf_llama4), str(base_ckpt)]).returncode == 0
+    from loongforge.llm.model_io import hf_to_lf
+
+    hf_to_lf(hf_llama4, base_ckpt)
     _one_line_error(run_cli(["convert", "lf-to-peft", str(base_ckpt), str(tmp_path / "out")]), "has no LoRA adapters")
     assert not (tmp_path / "out").exists()
     # the base a LoRA checkpoint was trained from is gone: say so, and how to point at it
@@ -140,6 +136,28 @@ def test_lora_user_errors(trained, rows_file, hf_llama4, tmp_path):
     _one_line_error(run_cli(["convert", "lf-to-hf", str(run), str(tmp_path / "merged")]), "holds LoRA adapters only", "--base")
     r = run_cli(["convert", "lf-to-hf", str(run), str(tmp_path / "merged"), "--base", str(hf_llama4)])
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"target_modules": ["q_proj", "v_proj"]}, "q_proj, v_proj share one fused linear (linear_qkv) with k_proj"),
+        ({"target_modules": ["qkv"]}, "unknown module 'qkv'"),
+        ({"rank": -1}, "lora.rank=-1 must be positive"),
+        ({"alpha": 0}, "lora.alpha=0 must be positive"),
+        ({"dropout": 1.0}, "lora.dropout=1.0 must be in [0, 1)"),
+        ({"target_modules": []}, "lora.target_modules is empty"),
+    ],
+)
+def test_bad_lora_config(fields, message):
+    """The `lora` section's checks (the CLI prints them as one line, exit 2: test_lora_user_errors)."""
+    import re
+
+    from loongforge.core.errors import UserError
+    from loongforge.core.foundation.lora import LoRAConfig
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        LoRAConfig(**{"rank": 2, **fields}).validate()
 
 
 def test_target_patterns():

@@ -64,7 +64,9 @@ def test_load_optimizer_needs_a_loongforge_checkpoint_with_state(hf_llama4, tmp_
         "HF directories hold none",
     )
     conv = tmp_path / "conv"
-    assert run_cli(["convert", "hf-to-lf", str(hf_llama4), str(conv)]).returncode == 0
+    from loongforge.llm.model_io import hf_to_lf
+
+    hf_to_lf(hf_llama4, conv)
     _one_line_error(
         run_cli(
             ["train", "tiny", *ARGS, f"checkpoint.load={conv}", "checkpoint.load_optimizer=true", f"checkpoint.run_dir={tmp_path / 's'}"]

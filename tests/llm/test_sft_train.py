@@ -122,12 +122,20 @@ def test_bad_rows_are_counted_and_all_masked_is_an_error(rows_file, tmp_path):
         ]
     )
     assert r.returncode == 2 and "row 6: missing_field" in r.stderr
+    # the same checks in process (the CLI's one line and exit 2 are above)
+    from loongforge.core.data.text import load_tokenizer, tokenized_samples
+    from loongforge.core.errors import UserError
+    from loongforge.core.recipes import resolve
+    from loongforge.llm.sft.recipe import sft_data
+
     g = tmp_path / "none.jsonl"
     g.write_text(json.dumps({"instruction": "x"}) + "\n")
-    r = run_cli(["train", "sft", *COMMON, f"data.datasets=[{{path: {g}, format: alpaca}}]", f"checkpoint.run_dir={tmp_path / 'c'}"])
-    assert r.returncode == 2 and "all labels masked" in r.stderr
-    r = run_cli(["train", "sft", *COMMON, "train.micro_batch_size=2", f"checkpoint.run_dir={tmp_path / 'd'}"])
-    assert r.returncode == 2 and "train.micro_batch_size=1" in r.stderr
+    _, cfg = resolve("sft", [*COMMON, f"data.datasets=[{{path: {g}, format: alpaca}}]"], prefer="llm")
+    with pytest.raises(UserError, match="all labels masked"):
+        tokenized_samples(cfg.data, load_tokenizer(cfg.data.tokenizer), cfg.train.seed)
+    _, cfg = resolve("sft", [*COMMON, "train.micro_batch_size=2"], prefer="llm")
+    with pytest.raises(UserError, match="set train.micro_batch_size=1"):
+        sft_data(cfg, None, 0, 1, tmp_path / "d", "cpu")
 
 
 def test_prepacked_equals_in_memory(packed, rows_file, hf_llama4, tmp_path):

@@ -5,9 +5,13 @@ Oracle: transformers' `LlavaOnevisionProcessor` with the PIL `LlavaOnevisionImag
 tokenizer, applied to the chat template's rendering of each record and the same PIL images, one
 sample's images batched as `apply_chat_template` batches them (`images=[[...]]`). Its constructor
 refuses any video processor here, even None (transformers' video processors need torchvision, not
-installed), so the test's subclass skips that one class check. The model side (core's
-`LlavaOnevisionVision`) takes the samples' tiles, sizes and image counts and gives one feature per
-pad token.
+installed), so the test's subclass skips that one class check. Videos: the processor's own text
+side expands `<video>` from the frame count of the pixels a stand-in video processor hands it (ours);
+the pixels are checked against an independent computation: the clip decoded with PyAV directly,
+the frames transformers' `default_sample_indices_fn` picks, each resized, rescaled and normalized
+by transformers' numpy image transforms (PIL bicubic). The model side (core's
+`LlavaOnevisionVision`) takes the samples' tiles, sizes and image counts (and videos) and gives
+one feature per pad token.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ import pytest
 import torch
 from loongforge.core.data.text import IGNORE
 from loongforge.core.errors import UserError
-from loongforge.core.foundation.llava_onevision import LlavaOnevisionConfig, LlavaOnevisionVision, image_token_count
+from loongforge.core.foundation.llava_onevision import LlavaOnevisionConfig, LlavaOnevisionVision, image_token_count, video_token_count
+from loongforge.core.foundation.mrope import IMAGE as IMAGE_TYPE
+from loongforge.core.foundation.mrope import VIDEO as VIDEO_TYPE
 from loongforge.core.foundation.siglip import SiglipVisionConfig
 from loongforge.vlm.data import TINY_LLAVA_TOKENIZER, LlavaSampleEncoder, VisionRecord, encode_all, read_records, write_demo_dataset
 from PIL import Image
+from test_vlm_data import write_video
 from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +58,20 @@ def tok():
     return AutoTokenizer.from_pretrained(str(TINY_LLAVA_TOKENIZER))
 
 
-def hf_processor(tok, cfg: LlavaOnevisionConfig):
+class VideoOutputs:
+    """Stands in for `LlavaOnevisionVideoProcessor` (it needs torchvision): hands back the outputs
+    set on it; the processor's text side counts each video's frames in them."""
+
+    def __init__(self):
+        self.outputs = {}
+
+    def __call__(self, videos, **kwargs):
+        from transformers import BatchFeature
+
+        return BatchFeature(self.outputs)
+
+
+def hf_processor(tok, cfg: LlavaOnevisionConfig, video_processor=None):
     """transformers' LlavaOnevisionProcessor for `cfg` (see the module docstring)."""
     import transformers
 
@@ -67,6 +87,7 @@ def hf_processor(tok, cfg: LlavaOnevisionConfig):
     )
     return ImageOnlyProcessor(
         image_processor=images,
+        video_processor=video_processor,
         tokenizer=tok,
         num_image_tokens=cfg.tile_side**2,
         vision_feature_select_strategy=cfg.vision_feature_select_strategy,
@@ -91,6 +112,31 @@ def assistant(text: str) -> dict:
 
 
 IMAGE = {"type": "image"}
+VIDEO = {"type": "video"}
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> Path:
+    """20 frames at 8 fps, 56 x 56: a white square moving 2 pixels right a frame (test_vlm_data's)."""
+    return write_video(tmp_path_factory.mktemp("video") / "clip.mp4", frames=20, fps=8)
+
+
+def pyav_frames(path) -> np.ndarray:
+    """Every frame of a video, decoded with PyAV directly: uint8 [F, H, W, 3]."""
+    import av
+
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def processed_frames(frames: np.ndarray, side: int) -> torch.Tensor:
+    """uint8 frames -> [F, 3, side, side]: resized (PIL bicubic), rescaled by 1/255 and normalized
+    with mean and std 0.5 by transformers' numpy image transforms (the PIL image processors' steps)."""
+    from transformers.image_transforms import normalize, rescale, resize
+    from transformers.image_utils import PILImageResampling
+
+    out = [normalize(rescale(resize(f, (side, side), resample=PILImageResampling.BICUBIC), 1 / 255), [0.5] * 3, [0.5] * 3) for f in frames]
+    return torch.from_numpy(np.stack(out)).permute(0, 3, 1, 2)
 
 
 def test_tiny_llava_tokenizer_tokens_template_and_regeneration(tok, tmp_path):
@@ -206,6 +252,57 @@ def test_model_takes_the_samples(tok):
     assert features.shape == (sum(int((s["input_ids"] == image_id).sum()) for s in samples), CFG.text_hidden_size)
 
 
+def test_video_sample_matches_processor_and_frames(tok, clip):
+    """An image and a video: the ids are the processor's (each `<video>` its frames' pooled patches
+    plus a newline: 8 * 2 * 2 + 1 at 4 x 4 patches a tile), the video's pixels the 8 frames
+    transformers samples of the PyAV-decoded clip, processed as the video processor does; the pads
+    are typed and not trained on; the model gives one feature per video pad."""
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
+    enc = LlavaSampleEncoder(tok, CFG, max_length=1024)
+    assert enc.video_frames == 8
+    record = VisionRecord([user(IMAGE, VIDEO, "What moves?"), assistant("a square")], images=[noise(*SIZES[0], seed=4)], videos=[str(clip)])
+    sample = enc.encode(record)
+    frames = pyav_frames(clip)
+    index = default_sample_indices_fn(VideoMetadata(total_num_frames=len(frames), fps=8.0), num_frames=8)
+    assert len(frames) == 20 and index.tolist() == [0, 2, 5, 7, 10, 12, 15, 17]
+    want = processed_frames(frames[index], 28)[None]
+    videos = sample["pixel_values_videos"]
+    assert videos.dtype == torch.float32 and videos.shape == want.shape == (1, 8, 3, 28, 28)
+    assert (videos - want).abs().max() < 1e-6  # fused rescale-normalize vs the two steps: float rounding
+    shifted = processed_frames(frames[index + 1], 28)[None]  # the next frames (the square 2 pixels on) differ
+    assert (shifted - want).abs().amax(dim=(0, 2, 3, 4)).min() > 0.1
+    # the processor's text side, given these pixels, expands <video> as we do
+    proc = hf_processor(tok, CFG, VideoOutputs())
+    proc.video_processor.outputs = {"pixel_values_videos": videos}
+    text = tok.apply_chat_template(record.messages, tokenize=False)
+    hf = proc(text=[text], images=[record.images], videos=[np.zeros((8, 56, 56, 3), np.uint8)], return_tensors="pt")
+    assert torch.equal(sample["input_ids"], hf["input_ids"][0])
+    assert torch.equal(sample["pixel_values"], hf["pixel_values"][0, : len(sample["pixel_values"])])
+    video_id, image_id = tok.convert_tokens_to_ids("<video>"), tok.convert_tokens_to_ids("<image>")
+    ids = sample["input_ids"]
+    count = video_token_count(CFG, 8)
+    assert count == 8 * 2 * 2 + 1 == int((ids == video_id).sum())
+    runs = [len(r) for r in "".join("v" if t == video_id else " " for t in ids.tolist()).split()]
+    assert runs == [count]
+    types = sample["mm_token_type_ids"]
+    assert torch.equal(types, (ids == image_id).long() * IMAGE_TYPE + (ids == video_id).long() * VIDEO_TYPE)
+    assert (sample["labels"][ids == video_id] == IGNORE).all() and trained_text(tok, sample) == "a square"
+    assert sample["batch_num_images"].tolist() == [1] and sample["image_sizes"].tolist() == [list(SIZES[0])]
+    assert torch.equal(sample["position_ids"], torch.arange(len(ids)).expand(3, -1))
+    # the prompt side (generation) expands the same
+    assert torch.equal(enc.prompt(VisionRecord(record.messages[:1], record.images, record.videos))["pixel_values_videos"], videos)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        features = LlavaOnevisionVision(CFG).eval().video_features(videos)
+    assert features.shape == (count, CFG.text_hidden_size)
+    # a clip of fewer frames than asked for repeats frames (transformers refuses it): 20 frames, 32 asked
+    long = LlavaSampleEncoder(tok, CFG, max_length=1024, video_frames=32).encode(record)
+    assert long["pixel_values_videos"].shape == (1, 32, 3, 28, 28)
+    assert (long["pixel_values_videos"] - processed_frames(frames[np.arange(32) * 20 // 32], 28)[None]).abs().max() < 1e-6
+    assert int((long["input_ids"] == video_id).sum()) == video_token_count(CFG, 32) == 32 * 4 + 1
+
+
 def test_demo_and_llava_json_records_render(tok, tmp_path):
     """The demo writer's rows (LLaVA JSON, "<image>\\n" before the question) read into typed parts
     that this template renders: `<image>\\n` then the text (its own newline kept: "\\n\\n")."""
@@ -226,10 +323,11 @@ def test_demo_and_llava_json_records_render(tok, tmp_path):
         assert trained_text(tok, sample).startswith(answer)
 
 
-def test_bad_samples(tok, tmp_path):
+def test_bad_samples(tok, tmp_path, clip):
     noise(56, 56, seed=0).save(tmp_path / "good.png")
     (tmp_path / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
-    (tmp_path / "clip.mp4").write_bytes(b"not read")
+    (tmp_path / "corrupt.mp4").write_bytes(b"not a video")
+    (tmp_path / "clip.mp4").write_bytes(clip.read_bytes())
 
     def row(image=None, human="<image>\nWhat color?", answer="red", **extra):
         r = {"conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": answer}], **extra}
@@ -241,7 +339,9 @@ def test_bad_samples(tok, tmp_path):
         row("good.png"),  # 88 image tokens (a 2 x 2 grid: 16 + 8 x 8 + 8)
         row("corrupt.png"),
         row("missing.png"),
-        row(None, human="<video>\nWhat happens?", video="clip.mp4"),
+        row(None, human="<video>\nWhat happens?", video="corrupt.mp4"),
+        row(None, human="<video>\nWhat happens?", video="missing.mp4"),
+        row(None, human="<video>\nWhat moves?", answer="a square", video="clip.mp4"),  # 8 * 4 + 1 video tokens
         row("good.png", answer="red " * 30),  # over max_length once the pads are expanded
         row(None, human="What color?", answer="red " * 200),  # the text alone over max_length
         row("good.png", answer="blue"),
@@ -249,18 +349,28 @@ def test_bad_samples(tok, tmp_path):
     (tmp_path / "data.json").write_text(json.dumps(rows))
     enc = LlavaSampleEncoder(tok, CFG, max_length=140)
     samples, bad = encode_all(read_records(tmp_path / "data.json"), enc, progress=False)
-    assert bad == Counter(corrupt_media=1, missing_media=1, video_unsupported=1, over_long=2)
-    assert [trained_text(tok, s) for s in samples] == ["red", "blue"]
-    # the template rendered another number of <image> than the record has images, or a <video>
-    two = VisionRecord([user(IMAGE, "Two?"), assistant("no")], images=[noise(30, 30, 0), noise(30, 30, 1)])
-    none = VisionRecord([user("<video> here?"), assistant("no")])
-    for record in (two, none):
+    assert bad == Counter(corrupt_media=2, missing_media=2, over_long=2)
+    assert [trained_text(tok, s) for s in samples] == ["red", "a square", "blue"]
+    assert samples[1]["pixel_values_videos"].shape == (1, 8, 3, 28, 28) and samples[1]["pixel_values"] is None
+    # the template rendered another number of <image> (<video>) than the record has images (videos)
+    video = str(tmp_path / "clip.mp4")
+    mismatched = [
+        VisionRecord([user(IMAGE, "Two?"), assistant("no")], images=[noise(30, 30, 0), noise(30, 30, 1)]),
+        VisionRecord([user("<video> here?"), assistant("no")]),  # a <video> typed in the text, no video
+        VisionRecord([user("What moves?"), assistant("no")], videos=[video]),  # a video with no <video>
+        VisionRecord([user(VIDEO, VIDEO, "Two?"), assistant("no")], videos=[video]),
+    ]
+    for record in mismatched:
         with pytest.raises(Exception) as e:
             enc.encode(record)
         assert getattr(e.value, "reason", None) == "placeholder_mismatch"
-    with pytest.raises(Exception) as e:
-        enc.prompt(VisionRecord([user({"type": "video"}, "?")], videos=[str(tmp_path / "clip.mp4")]))
-    assert getattr(e.value, "reason", None) == "video_unsupported"
+    for source, reason in ((str(tmp_path / "corrupt.mp4"), "corrupt_media"), (str(tmp_path / "gone.mp4"), "missing_media")):
+        with pytest.raises(Exception) as e:
+            enc.prompt(VisionRecord([user(VIDEO, "?")], videos=[source]))
+        assert getattr(e.value, "reason", None) == reason
+    for frames in (0, 2.5, True):
+        with pytest.raises(UserError, match="video_frames"):
+            LlavaSampleEncoder(tok, CFG, video_frames=frames)
     with pytest.raises(UserError, match="has no <\\|image_pad\\|> token"):
         LlavaSampleEncoder(tok, CFG, image_token="<|image_pad|>")
     with pytest.raises(UserError, match="unknown keys"):
@@ -270,6 +380,59 @@ def test_bad_samples(tok, tmp_path):
     assert default.encode(_records()[2][1])["input_ids"].eq(496).sum() == 2 * 16
     with pytest.raises(UserError, match="SigLIP has no CLS token"):
         default.encode(_records()[0][1])
+    with pytest.raises(UserError, match="videos need 'full'"):
+        default.encode(VisionRecord([user(VIDEO, "?"), assistant("no")], videos=[video]))
+
+
+def test_videos_pack_and_prepack(tok, tmp_path, clip):
+    """The recipe's encoder takes `data.image.video_frames`; packs stack their samples' videos
+    ([videos, frames, 3, S, S]), the cost model counts each frame as a tile; a prepacked directory
+    holds the same packs and is refused under another frame count."""
+    from loongforge.core.recipes import resolve
+    from loongforge.vlm.config import ImageConfig
+    from loongforge.vlm.data.llava import LLAVA_OV_VIDEO_FRAMES
+    from loongforge.vlm.prepacked import PrepackedVisionPacks, write_prepacked
+    from loongforge.vlm.recipe import encoded_samples, pack_all, prepare_for_packing, sample_encoder, sample_sizes
+
+    assert ImageConfig().video_frames == LLAVA_OV_VIDEO_FRAMES == 8
+    noise(56, 56, seed=0).save(tmp_path / "good.png")
+    (tmp_path / "clip.mp4").write_bytes(clip.read_bytes())
+    rows = [
+        {"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "a square"}]},
+        {"image": "good.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "noise"}]},
+        {"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhere?"}, {"from": "gpt", "value": "right"}]},
+    ]
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    overrides = [f"data.paths=[{tmp_path / 'data.json'}]", "data.seq_length=256", "data.image.video_frames=4"]
+    _, cfg = resolve("llava_onevision_tiny", overrides, prefer="vlm")
+    cfg, ptok = prepare_for_packing(cfg)
+    assert sample_encoder(cfg.model, ptok, {}, 64).video_frames == 8  # a run written before the field: the default
+    samples, bad = encoded_samples(cfg, ptok, tmp_path / "run")
+    assert (
+        not bad
+        and [tuple(s["pixel_values_videos"].shape) for s in samples if s["pixel_values_videos"] is not None] == [(1, 4, 3, 28, 28)] * 2
+    )
+    tile = cfg.model.tower.tile_side**2
+    assert sample_sizes(samples[0], cfg.model) == [len(samples[0]["tokens"]), [tile] * 4]  # the frames
+    assert sample_sizes(samples[1], cfg.model)[1] == [tile] * len(samples[1]["pixel_values"])  # the image's tiles
+    packs, _, _ = pack_all(cfg, samples)
+    assert len(packs) == 1 and packs[0]["pixel_values_videos"].shape == (2, 4, 3, 28, 28)
+    assert torch.equal(
+        packs[0]["pixel_values_videos"], torch.cat([s["pixel_values_videos"] for s in samples if s["pixel_values_videos"] is not None])
+    )
+    write_prepacked(cfg, ptok, tmp_path / "packs")
+    back = PrepackedVisionPacks(tmp_path / "packs", cfg, ptok)
+    assert back.meta["processor.video_frames"] == 4
+    assert all(torch.equal(back[0][k], packs[0][k]) for k in ("tokens", "pixel_values_videos", "pixel_values", "image_sizes"))
+    _, other = resolve("llava_onevision_tiny", [*overrides[:-1], "data.image.video_frames=8"], prefer="vlm")
+    other, _ = prepare_for_packing(other)
+    with pytest.raises(UserError, match="processor.video_frames=4, this run has 8"):
+        PrepackedVisionPacks(tmp_path / "packs", other, ptok)
+    meta = json.loads((tmp_path / "packs" / "loongforge_vlm.json").read_text())
+    del meta["processor.video_frames"]  # a directory written before the frame count was recorded
+    (tmp_path / "packs" / "loongforge_vlm.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="processor.video_frames=None, this run has 4"):
+        PrepackedVisionPacks(tmp_path / "packs", cfg, ptok)
 
 
 def test_from_hf_directory(tok, tmp_path):

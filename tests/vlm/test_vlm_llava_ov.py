@@ -2,17 +2,19 @@
 unpadding and `image_newline`; a Qwen2 language model with 1-D positions) against HF
 transformers' `LlavaOnevisionForConditionalGeneration` (the oracle) on a tiny random config: fp32
 logits within 1e-5 relative on a batch of two images of different sizes (anyres tiles from HF's
-image processor) and a text-only sample; HF -> LoongForge -> HF every tensor bit-identical and the
-export's logits equal HF's; files with transformers 4 names load the same; 8 greedy tokens equal
-HF `generate`; the shipped tiny config trains, exports and answers as HF does."""
+image processor) and a text-only sample, and on a batch with videos (`pixel_values_videos`: each
+frame's patch map pooled, a newline after each video) beside an image; HF -> LoongForge -> HF every
+tensor bit-identical and the export's logits equal HF's; files with transformers 4 names load the
+same; 8 greedy tokens equal HF `generate`; the shipped tiny config trains on images and videos,
+exports and answers as HF does."""
 
 import numpy as np
 import pytest
 import torch
-from loongforge.core.foundation.llava_onevision import image_token_count
+from loongforge.core.foundation.llava_onevision import image_token_count, video_token_count
 from loongforge.core.parallel import init_parallel
 from loongforge.vlm.model import VisionLanguageModel
-from vlm_oracle import FAMILIES, assert_round_trip, load_pair, row_error, save_perturbed
+from vlm_oracle import FAMILIES, assert_round_trip, load_pair, row_error, save_tiny_llava_onevision, train_demo
 
 VOCAB, IMG, VID = 96, 90, 91
 PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
@@ -21,33 +23,7 @@ SIZES = [(30, 100), (50, 60)]  # a 1 x 2 grid with padding rows cut; a 2 x 2 gri
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
-
-    cfg = LlavaOnevisionConfig(
-        text_config=dict(
-            model_type="qwen2",
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        ),
-        vision_config=dict(
-            model_type="siglip_vision_model",
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=7,
-            vision_use_head=False,
-        ),
-        image_token_index=IMG,
-        video_token_index=VID,
-        image_grid_pinpoints=PINPOINTS,
-    )
-    return save_perturbed(LlavaOnevisionForConditionalGeneration, cfg, tmp_path_factory.mktemp("hf") / "llava_ov")
+    return save_tiny_llava_onevision(tmp_path_factory.mktemp("hf") / "llava_ov", IMG, VID, VOCAB, PINPOINTS)
 
 
 def batch(tower):
@@ -107,6 +83,48 @@ def test_logits_match_hf(pair):
     assert row_error(off, want, keep, 0) > 1e-3 and row_error(off, want, keep, 1) < 1e-5
 
 
+def video_batch(tower, frames: int = 3):
+    """A video sample, an image + video sample, a text-only sample (right-padded): two videos of
+    `frames` frames as the processor gives them ([videos, frames, 3, S, S])."""
+    from PIL import Image
+    from transformers import LlavaOnevisionImageProcessorPil
+
+    rng = np.random.default_rng(1)
+    image = Image.fromarray(rng.integers(0, 256, (*SIZES[0], 3), dtype=np.uint8))
+    px = LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=PINPOINTS)([image], return_tensors="pt")
+    g = torch.Generator().manual_seed(4)
+    text = lambda n: torch.randint(0, 80, (n,), generator=g).tolist()  # noqa: E731
+    video = [VID] * video_token_count(tower, frames)
+    rows = [text(3) + video + text(4), text(2) + [IMG] * image_token_count(tower, *SIZES[0]) + video + text(3), text(7)]
+    s = max(map(len, rows))
+    return dict(
+        input_ids=torch.tensor([r + [0] * (s - len(r)) for r in rows]),
+        attention_mask=torch.tensor([[1] * len(r) + [0] * (s - len(r)) for r in rows]),
+        pixel_values=px["pixel_values"],
+        image_sizes=px["image_sizes"],
+        batch_num_images=torch.tensor([0, 1, 0]),
+        pixel_values_videos=torch.randn(2, frames, 3, 28, 28, generator=g),
+    )
+
+
+def test_video_logits_match_hf(pair):
+    """Videos (HF `get_video_features`: frames through the tower, pooled to half the patch map's
+    side, a newline after each video) beside an image and a text-only row; our model called as HF's
+    is (`model(**inputs)`)."""
+    ref, ours = pair
+    b = video_batch(ours.cfg.tower)
+    assert video_token_count(ours.cfg.tower, 3) == 3 * 2 * 2 + 1  # 4 x 4 patches a frame, pooled to 2 x 2
+    with torch.no_grad():
+        want = ref(**b).logits
+        got = ours(**b)
+    keep = b["attention_mask"].bool()
+    for r in range(3):
+        assert row_error(got, want, keep, r) < 1e-5, r
+    # negative control: the frames in another order change the video rows' logits, not the text row's
+    off = ours(**{**b, "pixel_values_videos": b["pixel_values_videos"].flip(1)})
+    assert row_error(off, want, keep, 0) > 1e-3 and row_error(off, want, keep, 2) < 1e-5
+
+
 def test_round_trip_bit_identical(pair, hf_dir, tmp_path):
     from transformers import LlavaOnevisionForConditionalGeneration
 
@@ -145,37 +163,45 @@ def test_greedy_generate_matches_hf(pair):
 
 
 def test_demo_trains_exports_and_generates(tmp_path):
-    """The shipped tiny LLaVA-OneVision config trains 12 steps on the demo (its chat template, anyres
-    tiles); the HF export loads in transformers and gives `load_model`'s logits on a prompt with an
-    image; `generate` on the run answers with HF `generate`'s tokens."""
-    from conftest import losses, run_cli
+    """The shipped tiny LLaVA-OneVision config trains 12 steps on the demo shapes plus 8 video
+    samples (its chat template, anyres tiles, 6 frames a video: 6 * 1 + 1 video tokens at 2 x 2
+    patches a tile), none skipped; the HF export loads in transformers and gives `load_model`'s
+    logits on a prompt with an image and on one with a video; `generate` on the run answers with HF
+    `generate`'s tokens."""
+    import json
+
+    from conftest import losses
     from loongforge.core.data.text import load_tokenizer
     from loongforge.vlm import load_model
-    from loongforge.vlm.data import LlavaSampleEncoder, VisionRecord, read_records
+    from loongforge.vlm.data import LlavaSampleEncoder, VisionRecord, read_records, write_demo_dataset
     from loongforge.vlm.generate import answer
+    from test_vlm_data import write_video
     from transformers import LlavaOnevisionForConditionalGeneration
 
+    data = write_demo_dataset(tmp_path / "data", samples=48, seed=0)
+    write_video(data / "clip.mp4", frames=12, fps=8)  # a square moving right
+    rows = json.loads((data / "data.json").read_text())
+    ask = [{"from": "human", "value": "<video>\nWhich way does the square move?"}, {"from": "gpt", "value": "right"}]
+    rows += [{"id": f"video{i}", "video": "clip.mp4", "conversations": ask} for i in range(8)]
+    (data / "data.json").write_text(json.dumps(rows))
     run = tmp_path / "run"
-    r = run_cli(
-        [
-            "train",
-            "llava_onevision_tiny",
-            "data.demo_samples=48",
-            "data.seq_length=128",
-            "train.train_iters=12",
-            "train.log_interval=1",
-            f"checkpoint.run_dir={run}",
-        ],
-        module="loongforge.vlm.cli",
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = train_demo("llava_onevision_tiny", run, f"data.paths=[{data / 'data.json'}]", "data.image.video_frames=6")
+    assert "vlm data: 56 samples" in r.stdout and "skipped" not in r.stdout + r.stderr, r.stdout[-2000:]
     got = losses(run)
     assert got[12] < got[1], got
     ours = load_model(run)
     ref = LlavaOnevisionForConditionalGeneration.from_pretrained(str(run / "hf"), dtype=torch.float32).eval()
     tok = load_tokenizer(str(run / "tokenizer"))
-    record = next(iter(read_records([str(run / "data" / "demo" / "data.json")])))
-    x = LlavaSampleEncoder(tok, ours.cfg.tower).prompt(VisionRecord(record.messages[:1], images=record.images))
+    records = list(read_records([str(data / "data.json")]))
+    record = records[0]
+    enc = LlavaSampleEncoder(tok, ours.cfg.tower, video_frames=6)
+    x = enc.prompt(VisionRecord(records[-1].messages[:1], videos=records[-1].videos))
+    assert x["pixel_values_videos"].shape == (1, 6, 3, 28, 28)
+    inputs = dict(input_ids=x["input_ids"][None], pixel_values_videos=x["pixel_values_videos"])
+    with torch.no_grad():
+        want = ref(**inputs).logits
+    assert float((ours.hf_logits(**inputs) - want).abs().max() / want.abs().max()) < 1e-5
+    x = enc.prompt(VisionRecord(record.messages[:1], images=record.images))
     inputs = dict(input_ids=x["input_ids"][None], pixel_values=x["pixel_values"][None], image_sizes=x["image_sizes"])
     with torch.no_grad():
         want = ref(**inputs).logits

@@ -10,6 +10,7 @@ from typing import List, Optional
 from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
 from loongforge.core.data import SampleCost
 from loongforge.core.foundation.lora import LoRAConfig
+from loongforge.vlm.data.llava import LLAVA_OV_VIDEO_FRAMES
 from loongforge.vlm.model import VLMConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -36,7 +37,8 @@ class LRMultConfig:
 @dataclass
 class ImageConfig:
     """Qwen2-VL image processing: images resized to multiples of patch_size * merge_size with
-    their pixel count kept within [min_pixels, max_pixels]."""
+    their pixel count kept within [min_pixels, max_pixels]; videos sampled at video_fps.
+    LLaVA-OneVision reads `video_frames` only (its tiles come from the model's config)."""
 
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
@@ -44,6 +46,10 @@ class ImageConfig:
     video_min_pixels: int = 128 * 28 * 28  # per frame
     video_max_pixels: int = 768 * 28 * 28
     video_max_frames: int = 768
+    # LLaVA-OneVision only: frames sampled uniformly from each video, a fixed count (every video
+    # [frames, 3, S, S]; frames * ceil(side / 2)^2 + 1 tokens: 1569 at 384 px). 8 as transformers'
+    # examples; LLaVA-OneVision's own video training sampled up to 32
+    video_frames: int = LLAVA_OV_VIDEO_FRAMES
 
 
 @dataclass

@@ -92,10 +92,10 @@ class PrepackedVisionPacks:
         if self.meta.get("version") != VERSION:
             raise UserError(f"data.prepacked={path}: format version {self.meta.get('version')} is not {VERSION}; preprocess again")
         want = pack_identity(cfg, tok)
-        for key, value in want.items():
-            if self.meta[key] != value:
+        for key, value in want.items():  # a key the directory lacks (written before it was recorded) differs too
+            if self.meta.get(key) != value:
                 raise UserError(
-                    f"data.prepacked={path} was written with {key}={self.meta[key]!r}, this run has {value!r}; preprocess again "
+                    f"data.prepacked={path} was written with {key}={self.meta.get(key)!r}, this run has {value!r}; preprocess again "
                     "with this config"
                 )
         self.files = sorted(root.glob("packs-*.safetensors"))

@@ -179,27 +179,35 @@ def processor_config(model: VLMConfig, image: dict):
 
 
 def sample_encoder(model: VLMConfig, tok, image: dict, max_length: int):
-    """The architecture's sample encoder under a run's `data.image` settings (a dict)."""
+    """The architecture's sample encoder under a run's `data.image` settings (a dict; LLaVA-OneVision
+    reads its `video_frames`, the default where a run written before it has none)."""
     from loongforge.vlm.data import LlavaSampleEncoder, VisionSampleEncoder
+    from loongforge.vlm.data.llava import LLAVA_OV_VIDEO_FRAMES
 
     if vlm_arch(model.arch).grids:
         return VisionSampleEncoder(tok, processor_config(model, image), max_length=max_length)
-    return LlavaSampleEncoder(tok, model.tower, max_length=max_length)
+    frames = image.get("video_frames", LLAVA_OV_VIDEO_FRAMES)
+    return LlavaSampleEncoder(tok, model.tower, max_length=max_length, video_frames=frames)
 
 
 def processing_identity(model: VLMConfig, image: dict) -> dict:
-    """What of the image processing decides a run's samples (a prepacked directory records it)."""
+    """What of the image processing decides a run's samples (a prepacked directory records it;
+    LLaVA-OneVision: the tower's config and the frames per video)."""
+    from loongforge.vlm.data.llava import LLAVA_OV_VIDEO_FRAMES
+
     if vlm_arch(model.arch).grids:
         return dataclasses.asdict(processor_config(model, image))
-    return {"llava_onevision": dataclasses.asdict(model.tower)}
+    return {"llava_onevision": dataclasses.asdict(model.tower), "video_frames": image.get("video_frames", LLAVA_OV_VIDEO_FRAMES)}
 
 
 def sample_sizes(sample: dict, model: VLMConfig) -> list:
     """[tokens, [patches of each vision item]]: what a sample's cost depends on (an item: an image
-    or video of patch grids; a LLaVA tile, which attends within itself)."""
+    or video of patch grids; a LLaVA tile or video frame, which attends within itself)."""
     if not vlm_arch(model.arch).grids:
         tiles = 0 if sample.get("pixel_values") is None else sample["pixel_values"].shape[0]
-        return [len(sample["tokens"]), [model.tower.tile_side**2] * tiles]
+        videos = sample.get("pixel_values_videos")
+        frames = 0 if videos is None else videos.shape[0] * videos.shape[1]
+        return [len(sample["tokens"]), [model.tower.tile_side**2] * (tiles + frames)]
     grids = [g for key in ("image_grid_thw", "video_grid_thw") if sample.get(key) is not None for g in sample[key]]
     return [len(sample["tokens"]), [int(g.prod()) for g in grids]]
 

@@ -6,8 +6,10 @@ from its first frame: sample k is the frame shown at time t0 + k / fps (t0: the 
 presentation time), i.e. the last frame whose presentation time is at or before it, for as long
 as that time is before the end of the last frame (its time plus its duration). `fps=None` takes
 every frame. The first `num_frames` samples are returned; a video with fewer is a `BadMedia` of
-reason "too_short". `decode_frames` returns as many as there are, up to a limit. A missing file is
-"missing"; a file (or bytes) that does not open or decode as a video (or image) is "corrupt".
+reason "too_short". `decode_frames` returns as many as there are, up to a limit. `uniform_frames`
+spreads a fixed count over the whole video (frame indices `uniform_indices`), converting only the
+frames it keeps. A missing file is "missing"; a file (or bytes) that does not open or decode as a
+video (or image) is "corrupt".
 
 A source is a file path, or the file's bytes (as parquet datasets hold images). PyAV and Pillow
 are imported inside the functions: the packages that call them declare them (`av`, `pillow`).
@@ -120,6 +122,69 @@ def _sample(container, stream, limit: int | None, fps: float, out: list[np.ndarr
         dur = float(frame.duration * time_base) if frame.duration else default_duration
     if prev is not None:
         emit_until(prev[0] + (dur if dur > 0 else 1e-6))
+
+
+def uniform_indices(total: int, count: int) -> np.ndarray:
+    """`count` frame indices spread uniformly over `total` frames, `arange(count) * total // count`
+    (transformers' `default_sample_indices_fn` with num_frames=count); with fewer frames than
+    `count` some repeat."""
+    return np.arange(count, dtype=np.int64) * total // count
+
+
+def uniform_frames(source: MediaSource, count: int) -> np.ndarray:
+    """`count` frames at `uniform_indices` of the video's frames (in presentation order), uint8
+    [count, H, W, 3]. The frame count comes from the container (or by reading its packets, which
+    decodes nothing); only the kept frames are converted to RGB, so a long video costs `count`
+    frames of memory. Should decoding give another count (a damaged tail), it samples again over
+    the frames that decode. BadMedia "missing" or "corrupt" as `decode_frames`."""
+    import av
+
+    if count < 1:
+        raise ValueError(f"count must be positive, got {count}")
+    name = describe(source)
+
+    def run(pass_fn):
+        opened = _open_source(source)
+        with av.open(opened if isinstance(opened, io.BytesIO) else str(opened)) as container:
+            if not container.streams.video:
+                raise BadMedia("corrupt", f"{name}: no video stream")
+            return pass_fn(container, container.streams.video[0])
+
+    def count_frames(container, stream) -> int:
+        return stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+
+    def keep(total: int):
+        wanted = uniform_indices(total, count)
+        wanted_set = set(wanted.tolist())
+
+        def pass_fn(container, stream):
+            stream.thread_type = "AUTO"
+            kept: dict[int, np.ndarray] = {}
+            n = 0
+            try:
+                for i, frame in enumerate(container.decode(stream)):
+                    n = i + 1
+                    if i in wanted_set and i not in kept:
+                        kept[i] = frame.to_ndarray(format="rgb24")
+            except (av.error.FFmpegError, ValueError, OSError) as e:
+                if n == 0:
+                    raise BadMedia("corrupt", f"{name}: cannot decode as video: {e}") from None
+            return n, kept, wanted
+
+        return pass_fn
+
+    try:
+        total = run(count_frames)
+        n, kept, wanted = run(keep(max(total, 1)))
+        if n == 0:
+            raise BadMedia("corrupt", f"{name}: no video frame decoded")
+        if n != total:
+            n, kept, wanted = run(keep(n))
+    except BadMedia:
+        raise
+    except (av.error.FFmpegError, ValueError, OSError) as e:
+        raise BadMedia("corrupt", f"{name}: cannot decode as video: {e}") from None
+    return np.stack([kept[int(i)] for i in wanted])
 
 
 def read_video(source: MediaSource, num_frames: int, fps: float | None = None) -> np.ndarray:

@@ -11,7 +11,7 @@
 - `llava`: `LlavaSampleEncoder(tokenizer, LlavaOnevisionConfig(...), max_length).encode(record)` ->
   the same for LLaVA-OneVision: `<image>` expanded to each image's feature count, anyres tiles (one
   tile per image in a sample of several) as transformers' LlavaOnevisionProcessor gives them,
-  1-D positions; videos are refused.
+  1-D positions; `<video>` expanded for a fixed count of uniformly sampled frames.
 - `dataset`: `encode_all(records, encoder, on_bad_sample)` -> (samples, Counter of bad reasons).
 - `demo`: `write_demo_dataset(out_dir, samples, seed)` writes a small LLaVA-style set of shapes.
 

@@ -1,40 +1,63 @@
 """A `VisionRecord` -> one LLaVA-OneVision training sample (HF `LlavaOnevisionForConditionalGeneration`).
 
-    enc = LlavaSampleEncoder(tokenizer, LlavaOnevisionConfig(...), max_length=4096)
+    enc = LlavaSampleEncoder(tokenizer, LlavaOnevisionConfig(...), max_length=4096, video_frames=8)
     sample = enc.encode(record)
 
-What transformers' `LlavaOnevisionProcessor` gives for the rendered prompt and the record's images,
-as `processor.apply_chat_template(..., tokenize=True)` calls it (the images of one conversation as
-one sample: `images=[[...]]`). The conversation goes through the chat template with assistant-only
-labels (core's `SFTTokenizer`, as the Qwen encoder does; LLaVA-OneVision's published template
-renders each message's images first, `<image>\\n` each, then its text, and marks only the assistant's
-text with `{% generation %}`, so `<|im_end|>` is not trained on). The images are processed by
-transformers' PIL `LlavaOnevisionImageProcessorPil` set from the model config (tiles of
-`vision_config.image_size`, `image_grid_pinpoints`; mean and std 0.5, resample bicubic: the
-llava-hf preprocessor_config.json): a sample of one image gets the anyres tiles (the whole image
-resized to a tile, then the grid cut from the image resized and padded to its best pinpoint); in a
-sample of several images each image is padded to a square (the mean colour) and is one tile. Each
-`<image>` then becomes `image_token_count(cfg, height, width, multi_image=images > 1)` copies of
-itself (core's count from the original size: the features `LlavaOnevisionVision` gives the image,
-unpadded and shrunk to `anyres_max_N`, with a newline per row; 729 + 1 for one of several images at
-LLaVA-OneVision's 27 x 27 patches). Positions are 1-D (0 ... T-1 on each of 3 rows: the model's pack
-format). Videos are not built: BadSample("video_unsupported").
+What transformers' `LlavaOnevisionProcessor` gives for the rendered prompt and the record's images
+and videos, as `processor.apply_chat_template(..., tokenize=True)` calls it (the images of one
+conversation as one sample: `images=[[...]]`). The conversation goes through the chat template with
+assistant-only labels (core's `SFTTokenizer`, as the Qwen encoder does; LLaVA-OneVision's published
+template renders each message's images first, `<image>\\n` each, then its videos, `<video>\\n`
+each, then its text, and marks only the assistant's text with `{% generation %}`, so `<|im_end|>`
+is not trained on).
+
+Images are processed by transformers' PIL `LlavaOnevisionImageProcessorPil` set from the model
+config (tiles of `vision_config.image_size`, `image_grid_pinpoints`; mean and std 0.5, resample
+bicubic: the llava-hf preprocessor_config.json): a sample of one image gets the anyres tiles (the
+whole image resized to a tile, then the grid cut from the image resized and padded to its best
+pinpoint); in a sample of several images each image is padded to a square (the mean colour) and
+is one tile. Each `<image>` then becomes `image_token_count(cfg, height, width, multi_image=images
+> 1)` copies of itself (core's count from the original size: the features `LlavaOnevisionVision`
+gives the image, unpadded and shrunk to `anyres_max_N`, with a newline per row; 729 + 1 for one
+of several images at LLaVA-OneVision's 27 x 27 patches).
+
+Videos are decoded with core's PyAV reader (`uniform_frames`: frames in presentation order, only
+the kept ones converted) and a fixed number of frames, `video_frames`, is sampled uniformly: frame
+indices `arange(video_frames) * total // video_frames`, transformers' `default_sample_indices_fn` (what
+`LlavaOnevisionVideoProcessor` samples with `do_sample_frames=True, num_frames=video_frames`; a
+video of fewer frames repeats frames, where transformers refuses it). The fixed count gives every
+video the same shape, so a pack's videos stack into one `[videos, frames, 3, S, S]`. Each frame is
+processed as `LlavaOnevisionVideoProcessor` does: resized to a tile (S x S, the aspect ratio not
+kept) with the image processing's resample, then rescaled and normalized in one step, (x - mean /
+rescale_factor) / (std / rescale_factor) in float32 (its fused `rescale_and_normalize`). The
+normalization is the image processing's: the published llava-hf checkpoints' video processor
+config (`video_processor/preprocessor_config.json`, converted from SigLIP's) holds the same mean
+and std 0.5, bicubic and 384 x 384 as their image processor (`LlavaOnevisionVideoProcessor`'s
+class defaults, CLIP's mean / std, are not what they use). transformers resizes with torchvision
+(bicubic, antialiased, on uint8) where this uses PIL's bicubic (the PIL image processors' resize):
+the two may differ slightly in a pixel's value (not compared: torchvision is not installed). Each
+`<video>` becomes `video_token_count(cfg, video_frames)` copies of itself (frames * ceil(side /
+2)^2 + 1: each frame's patch map pooled to half its side, one newline after the video), as the
+processor's `replace_video_token` counts them.
+
+Positions are 1-D (0 ... T-1 on each of 3 rows: the model's pack format).
 
 `encode` returns (T tokens):
-    input_ids          LongTensor [T]
-    labels             LongTensor [T], -100 except on assistant tokens
-    position_ids       LongTensor [3, T] (0 ... T-1 on each row)
-    mm_token_type_ids  LongTensor [T]: 0 text, 1 image pad (HF's token types)
-    pixel_values       FloatTensor [tiles of all images, 3, S, S] (images back to back), or None
-    image_sizes        LongTensor [images, 2]: each image's original (height, width), or None
-    batch_num_images   LongTensor [1]: the sample's image count, or None without images (HF's
-                       processor leaves image-less samples out of it)
-    image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts: None (Qwen2-VL's keys)
+    input_ids            LongTensor [T]
+    labels               LongTensor [T], -100 except on assistant tokens
+    position_ids         LongTensor [3, T] (0 ... T-1 on each row)
+    mm_token_type_ids    LongTensor [T]: 0 text, 1 image pad, 2 video pad (HF's token types)
+    pixel_values         FloatTensor [tiles of all images, 3, S, S] (images back to back), or None
+    image_sizes          LongTensor [images, 2]: each image's original (height, width), or None
+    batch_num_images     LongTensor [1]: the sample's image count, or None without images (HF's
+                         processor leaves image-less samples out of it)
+    pixel_values_videos  FloatTensor [videos, video_frames, 3, S, S], or None
+    image_grid_thw, video_grid_thw, second_per_grid_ts: None (Qwen2-VL's keys)
 
 Bad samples raise BadSample with the Qwen encoder's reasons: "over_long", "missing_media" /
-"corrupt_media", "bad_media_size" (an image the processor refuses), "placeholder_mismatch" (the
-template rendered another number of `<image>` than the record has images, or any `<video>`),
-core's "template_error"; and "video_unsupported" (a record with videos).
+"corrupt_media" (an image or video file gone or not decodable), "bad_media_size" (an image the
+processor refuses), "placeholder_mismatch" (the template rendered another number of `<image>`
+than the record has images, or of `<video>` than it has videos), core's "template_error".
 """
 
 from __future__ import annotations
@@ -44,16 +67,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from loongforge.core.data.media import BadMedia, uniform_frames
 from loongforge.core.data.text import IGNORE, BadSample, SFTTokenizer
 from loongforge.core.errors import UserError
-from loongforge.core.foundation.llava_onevision import LlavaOnevisionConfig, image_token_count, num_image_tiles
-from loongforge.core.foundation.mrope import IMAGE, TEXT
+from loongforge.core.foundation.llava_onevision import LlavaOnevisionConfig, image_token_count, num_image_tiles, video_token_count
+from loongforge.core.foundation.mrope import IMAGE, TEXT, VIDEO
 from loongforge.vlm.data.encode import ChatVisionEncoder, open_source_image, special_token_id
 from loongforge.vlm.data.formats import VisionRecord
 
 LLAVA_IMAGE_TOKEN, LLAVA_VIDEO_TOKEN = "<image>", "<video>"
 # llava-hf LLaVA-OneVision preprocessor_config.json: SigLIP's normalization, bicubic resizing
 LLAVA_OV_IMAGE_PROCESSING = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 3}
+# frames sampled from each video (data.image.video_frames): transformers' examples use 8; LLaVA-OneVision's
+# own video training sampled up to 32 (196 tokens a frame at 384 px)
+LLAVA_OV_VIDEO_FRAMES = 8
 # preprocessor_config.json fields taken as they are (size and image_grid_pinpoints must be the model's)
 _PREPROCESSOR_KEYS = ("image_mean", "image_std", "resample", "rescale_factor")
 
@@ -75,9 +102,10 @@ class LlavaSampleEncoder(ChatVisionEncoder):
     """VisionRecord -> LLaVA-OneVision sample dict (module docstring). `cfg`: the model's
     `LlavaOnevisionConfig` (tile size, pinpoints, feature select strategy, anyres_max_N decide the
     pixels and the pad counts); `image_processing`: LlavaOnevisionImageProcessorPil options over
-    LLaVA-OneVision's (image_mean, image_std, resample, rescale_factor). `template` and the other
-    keyword options are core's SFTTokenizer's (default: the tokenizer's chat template, loss on the
-    assistant turns only)."""
+    LLaVA-OneVision's (image_mean, image_std, resample, rescale_factor), which video frames are
+    processed with too; `video_frames`: the frames sampled uniformly from each video. `template`
+    and the other keyword options are core's SFTTokenizer's (default: the tokenizer's chat
+    template, loss on the assistant turns only)."""
 
     def __init__(
         self,
@@ -88,6 +116,7 @@ class LlavaSampleEncoder(ChatVisionEncoder):
         image_token: str = LLAVA_IMAGE_TOKEN,
         video_token: str = LLAVA_VIDEO_TOKEN,
         image_processing: dict | None = None,
+        video_frames: int = LLAVA_OV_VIDEO_FRAMES,
         **sft_options,
     ):
         if not isinstance(cfg, LlavaOnevisionConfig):
@@ -95,6 +124,8 @@ class LlavaSampleEncoder(ChatVisionEncoder):
         unknown = set(image_processing or {}) - set(_PREPROCESSOR_KEYS)
         if unknown:
             raise UserError(f"LLaVA image processing: unknown keys {sorted(unknown)} (choose from {', '.join(_PREPROCESSOR_KEYS)})")
+        if isinstance(video_frames, bool) or not isinstance(video_frames, int) or video_frames < 1:
+            raise UserError(f"LLaVA-OneVision video_frames (data.image.video_frames) must be a positive int, got {video_frames!r}")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.max_length = max_length
@@ -102,6 +133,8 @@ class LlavaSampleEncoder(ChatVisionEncoder):
         self.image_token_id = special_token_id(tokenizer, image_token)
         self.video_token_id = special_token_id(tokenizer, video_token)
         self.image_processor = llava_image_processor(cfg, **(image_processing or {}))
+        self.frame_processing = {**LLAVA_OV_IMAGE_PROCESSING, "rescale_factor": 1 / 255, **(image_processing or {})}
+        self.video_frames = video_frames
 
     @classmethod
     def from_hf(cls, tokenizer, path, max_length: int = 4096, **options) -> LlavaSampleEncoder:
@@ -133,32 +166,29 @@ class LlavaSampleEncoder(ChatVisionEncoder):
         processing.update(options.pop("image_processing", None) or {})
         return cls(tokenizer, cfg, max_length, image_processing=processing, **options)
 
-    def encode(self, record: VisionRecord) -> dict:
-        self._refuse_videos(record)
-        return super().encode(record)
-
-    def prompt(self, record: VisionRecord) -> dict:
-        self._refuse_videos(record)
-        return super().prompt(record)
-
-    @staticmethod
-    def _refuse_videos(record: VisionRecord) -> None:
-        if record.videos:
-            raise BadSample("video_unsupported", f"{len(record.videos)} videos (LLaVA-OneVision video samples are not built)")
-
     def _expanded(self, record: VisionRecord, ids: list, labels: list) -> dict:
-        """Each `<image>` expanded to its image's feature count, the tiles, the positions."""
-        pads, videos = ids.count(self.image_token_id), ids.count(self.video_token_id)
-        if pads != len(record.images) or videos:
+        """Each `<image>` (`<video>`) expanded to its image's (video's) feature count, the pixels,
+        the positions."""
+        pads, video_pads = ids.count(self.image_token_id), ids.count(self.video_token_id)
+        if pads != len(record.images) or video_pads != len(record.videos):
             raise BadSample(
-                "placeholder_mismatch", f"the chat template rendered {pads} image and {videos} video pads for {len(record.images)} images"
+                "placeholder_mismatch",
+                f"the chat template rendered {pads} image and {video_pads} video pads for {len(record.images)} images "
+                f"and {len(record.videos)} videos",
+            )
+        if record.videos and self.cfg.vision_feature_select_strategy == "default":
+            raise UserError(
+                "LLaVA-OneVision: vision_feature_select_strategy 'default' drops a patch of each frame, which can't then be "
+                "pooled: videos need 'full' (HF fails the same way)"
             )
         images = self._images(record.images)
+        videos = self._videos(record.videos)
         multi = len(record.images) > 1
         try:
             counts = iter([] if images is None else [image_token_count(self.cfg, h, w, multi) for h, w in images["image_sizes"].tolist()])
         except ValueError as e:  # 'default' select strategy with an anyres image (HF fails the same way)
             raise UserError(f"LLaVA-OneVision: {e}") from None
+        per_video = video_token_count(self.cfg, self.video_frames)
         out_ids, out_labels, types = [], [], []
         for t, label in zip(ids, labels):
             if t == self.image_token_id:
@@ -166,12 +196,16 @@ class LlavaSampleEncoder(ChatVisionEncoder):
                 out_ids += [t] * n
                 out_labels += [IGNORE] * n
                 types += [IMAGE] * n
+            elif t == self.video_token_id:
+                out_ids += [t] * per_video
+                out_labels += [IGNORE] * per_video
+                types += [VIDEO] * per_video
             else:
                 out_ids.append(t)
                 out_labels.append(label)
                 types.append(TEXT)
         if len(out_ids) > self.max_length:
-            raise BadSample("over_long", f"{len(out_ids)} > {self.max_length} tokens with the image pads expanded")
+            raise BadSample("over_long", f"{len(out_ids)} > {self.max_length} tokens with the image and video pads expanded")
         sample = {
             "input_ids": torch.tensor(out_ids, dtype=torch.long),
             "labels": torch.tensor(out_labels, dtype=torch.long),
@@ -186,6 +220,7 @@ class LlavaSampleEncoder(ChatVisionEncoder):
             "second_per_grid_ts": None,
         }
         sample.update(images or {})
+        sample.update(videos or {})
         return sample
 
     def _images(self, sources) -> dict | None:
@@ -209,5 +244,38 @@ class LlavaSampleEncoder(ChatVisionEncoder):
             "batch_num_images": torch.tensor([len(pil)], dtype=torch.long),
         }
 
+    def _videos(self, sources) -> dict | None:
+        """pixel_values_videos [videos, video_frames, 3, S, S]."""
+        if not sources:
+            return None
+        return {"pixel_values_videos": torch.stack([self._video(s) for s in sources])}
 
-__all__ = ["LLAVA_IMAGE_TOKEN", "LLAVA_OV_IMAGE_PROCESSING", "LLAVA_VIDEO_TOKEN", "LlavaSampleEncoder", "llava_image_processor"]
+    def _video(self, source) -> torch.Tensor:
+        """One video's `video_frames` frames sampled uniformly, processed (module docstring)."""
+        try:
+            frames = uniform_frames(source, self.video_frames)
+        except BadMedia as e:
+            raise BadSample(f"{e.reason}_media", e.message) from None
+        return self.frame_pixels(frames)
+
+    def frame_pixels(self, frames: np.ndarray) -> torch.Tensor:
+        """uint8 frames [F, H, W, 3] -> [F, 3, S, S] as `LlavaOnevisionVideoProcessor` processes them:
+        each resized to S x S, then (x - mean / rescale_factor) / (std / rescale_factor) in float32."""
+        from PIL import Image
+
+        p, side = self.frame_processing, self.cfg.vision_config.image_size
+        resized = np.stack([np.asarray(Image.fromarray(f).resize((side, side), resample=p["resample"])) for f in frames])
+        x = torch.from_numpy(resized).permute(0, 3, 1, 2).to(torch.float32)
+        mean = torch.tensor(p["image_mean"], dtype=torch.float32) * (1.0 / p["rescale_factor"])
+        std = torch.tensor(p["image_std"], dtype=torch.float32) * (1.0 / p["rescale_factor"])
+        return x.sub_(mean[:, None, None]).div_(std[:, None, None]).contiguous()
+
+
+__all__ = [
+    "LLAVA_IMAGE_TOKEN",
+    "LLAVA_OV_IMAGE_PROCESSING",
+    "LLAVA_OV_VIDEO_FRAMES",
+    "LLAVA_VIDEO_TOKEN",
+    "LlavaSampleEncoder",
+    "llava_image_processor",
+]
