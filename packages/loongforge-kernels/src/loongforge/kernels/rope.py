@@ -188,17 +188,21 @@ def _launch(
     return qo, ko
 
 
-class _Rope(torch.autograd.Function):
+class Rotation(torch.autograd.Function):
+    """q and k rotated by `launch(q, k, a, b, interleaved, sign)` (a, b: what gives the angles,
+    constants of the positions); the backward is the same launch on the output gradients with the
+    negative angle. `rope` (positions, inverse frequencies) and `rotary` (cos / sin tables) share it."""
+
     @staticmethod
-    def forward(ctx, q, k, positions, inv_freq, interleaved):
-        ctx.save_for_backward(positions, inv_freq)
-        ctx.interleaved = interleaved
-        return _launch(q, k, positions, inv_freq, interleaved, 1.0)
+    def forward(ctx, launch, q, k, a, b, interleaved):
+        ctx.save_for_backward(a, b)
+        ctx.launch, ctx.interleaved = launch, interleaved
+        return launch(q, k, a, b, interleaved, 1.0)
 
     @staticmethod
     def backward(ctx, dq, dk):
-        positions, inv_freq = ctx.saved_tensors
-        return *_launch(dq, dk, positions, inv_freq, ctx.interleaved, -1.0), None, None, None
+        a, b = ctx.saved_tensors
+        return None, *ctx.launch(dq, dk, a, b, ctx.interleaved, -1.0), None, None, None
 
 
 def rope(
@@ -217,4 +221,4 @@ def rope(
     pos = positions.to(q.device)
     if pos.dim() == 2 and pos.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"positions of shape {tuple(pos.shape)} do not fit q of shape {tuple(q.shape)}")
-    return _Rope.apply(q, k, pos, inv, interleaved)
+    return Rotation.apply(_launch, q, k, pos, inv, interleaved)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from loongforge.core.ops import reference
 from loongforge.kernels._util import KERNEL_DTYPES
-from loongforge.kernels.rope import BLOCK_H, WARPS, _copy_unrotated, _load_pairs, _store_rotated, pair_channels
+from loongforge.kernels.rope import BLOCK_H, WARPS, Rotation, _copy_unrotated, _load_pairs, _store_rotated, pair_channels
 
 
 @triton.jit
@@ -136,19 +136,6 @@ def _launch(
     return qo, ko
 
 
-class _Rotary(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, interleaved):
-        ctx.save_for_backward(cos, sin)
-        ctx.interleaved = interleaved
-        return _launch(q, k, cos, sin, interleaved, 1.0)
-
-    @staticmethod
-    def backward(ctx, dq, dk):
-        cos, sin = ctx.saved_tensors
-        return *_launch(dq, dk, cos, sin, ctx.interleaved, -1.0), None, None, None
-
-
 def _runs_here(t: torch.Tensor) -> bool:
     """CUDA tensors; CPU tensors only under the Triton interpreter (the CPU tests)."""
     return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
@@ -198,4 +185,4 @@ def rotary(
     that are not one row per token (`per_token_tables`), tables that require grad."""
     if not _supported(q, k, cos, sin):
         return reference.rotary(q, k, cos, sin, interleaved)
-    return _Rotary.apply(q, k, _table_rows(cos), _table_rows(sin), interleaved)
+    return Rotation.apply(_launch, q, k, _table_rows(cos), _table_rows(sin), interleaved)
