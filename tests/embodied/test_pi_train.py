@@ -192,7 +192,98 @@ def test_frozen_parts_keep_their_weights_and_the_ema_is_served(tmp_path):
     assert all(torch.equal(served[n], ema2[n]) for n in ema2)
 
 
-def test_convert_to_lerobot_and_back(trained, straight, tmp_path):
+# lerobot 0.4.4's processor files for pi0.5 / pi0 (`make_pi05_pre_post_processors`,
+# `make_pi0_pre_post_processors`, saved by `DataProcessorPipeline._save_pretrained`)
+PI05_PRE = [
+    "rename_observations_processor",
+    "to_batch_processor",
+    "normalizer_processor",
+    "pi05_prepare_state_tokenizer_processor_step",
+    "tokenizer_processor",
+    "device_processor",
+]
+PI0_PRE = [
+    "rename_observations_processor",
+    "to_batch_processor",
+    "pi0_new_line_processor",
+    "tokenizer_processor",
+    "device_processor",
+    "normalizer_processor",
+]
+POST = ["unnormalizer_processor", "device_processor"]
+PROCESSOR_FILES = [
+    "policy_postprocessor.json",
+    "policy_postprocessor_step_0_unnormalizer_processor.safetensors",
+    "policy_preprocessor.json",
+    "policy_preprocessor_step_2_normalizer_processor.safetensors",
+]
+# the constructor arguments of lerobot 0.4.4's step classes, by registry name (what
+# `_instantiate_step`'s `step_class(**config)` accepts)
+NORMALIZER_FIELDS = {"features", "norm_map", "stats", "device", "dtype", "eps", "normalize_observation_keys"}
+LEROBOT_STEP_FIELDS = {
+    "rename_observations_processor": {"rename_map"},
+    "to_batch_processor": {"to_batch_action_processor", "to_batch_observation_processor", "to_batch_complementary_data_processor"},
+    "normalizer_processor": NORMALIZER_FIELDS,
+    "unnormalizer_processor": NORMALIZER_FIELDS,
+    "pi05_prepare_state_tokenizer_processor_step": {"max_state_dim", "task_key"},
+    "pi0_new_line_processor": set(),
+    "tokenizer_processor": {"tokenizer_name", "tokenizer", "max_length", "task_key", "padding_side", "padding", "truncation"},
+    "device_processor": {"device", "float_dtype"},
+}
+
+
+def lerobot_load_pipeline(directory, config_filename):
+    """lerobot 0.4.4's `DataProcessorPipeline.from_pretrained` for a local directory, reduced to
+    what it reads: `_load_config`, `_is_processor_config`, `_resolve_step_class` (registry names),
+    `_instantiate_step` (the config as constructor arguments), `_load_step_state` and
+    `_NormalizationMixin.load_state_dict` (keys split at the last dot, float32)."""
+    import torch
+    from safetensors.torch import load_file
+
+    with open(directory / config_filename) as f:
+        config = json.load(f)
+    assert isinstance(config.get("steps"), list)
+    steps = []
+    for entry in config["steps"]:
+        assert isinstance(entry, dict) and "registry_name" in entry, entry
+        cfg = entry.get("config", {})
+        assert set(cfg) <= LEROBOT_STEP_FIELDS[entry["registry_name"]], entry
+        stats = None
+        if "state_file" in entry:
+            stats = {}
+            for flat_key, tensor in load_file(str(directory / entry["state_file"])).items():
+                key, stat = flat_key.rsplit(".", 1)
+                stats.setdefault(key, {})[stat] = tensor.to(dtype=torch.float32)
+        steps.append((entry["registry_name"], cfg, stats))
+    return config.get("name", "DataProcessorPipeline"), steps
+
+
+def lerobot_transform(cfg, stats, key, feature_type, x, inverse):
+    """`_NormalizationMixin._apply_transform` of lerobot 0.4.4 (float32 tensors)."""
+    import torch
+
+    mode = cfg["norm_map"].get(feature_type, "IDENTITY")
+    if mode == "IDENTITY" or key not in stats:
+        return x
+    s, eps = stats[key], torch.tensor(cfg["eps"], dtype=x.dtype)
+    if mode == "MEAN_STD":
+        return x * s["std"] + s["mean"] if inverse else (x - s["mean"]) / (s["std"] + cfg["eps"])
+    low, high = {"MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}[mode]
+    denom = s[high] - s[low]
+    denom = torch.where(denom == 0, eps, denom)
+    return (x + 1.0) * denom / 2.0 + s[low] if inverse else 2.0 * (x - s[low]) / denom - 1.0
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """`convert` of the trained run: (the LeRobot directory, the command's stdout)."""
+    out = tmp_path_factory.mktemp("export") / "lerobot"
+    r = run_cli(["convert", str(trained), str(out)], module=MODULE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r.stdout
+
+
+def test_convert_to_lerobot_and_back(trained, straight, exported, tmp_path):
     """`convert` writes the run's weights under LeRobot's names; `checkpoint.load` of that
     directory starts a run from exactly those weights (lr 0 keeps them for the check); an
     existing output and an EMA the run lacks are one-line errors that touch nothing."""
@@ -200,10 +291,8 @@ def test_convert_to_lerobot_and_back(trained, straight, tmp_path):
     from loongforge.core.checkpoint.dcp_io import read_model_state
     from safetensors.torch import load_file
 
-    out = tmp_path / "lerobot"
-    r = run_cli(["convert", str(trained), str(out)], module=MODULE)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "no config.json" in r.stdout and sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    out, stdout = exported
+    assert "no config.json" in stdout and sorted(p.name for p in out.iterdir()) == ["model.safetensors", *PROCESSOR_FILES]
     names = load_file(str(out / "model.safetensors"))
     assert "model.paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight" in names
     assert "model.action_out_proj.weight" in names
@@ -231,6 +320,123 @@ def test_convert_to_lerobot_and_back(trained, straight, tmp_path):
         r = run_cli(["convert", *args], module=MODULE)
         assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
     assert (out / "model.safetensors").read_bytes() == before and not (tmp_path / "x").exists()
+
+
+def test_convert_writes_lerobot_processor_files(trained, exported, tmp_path):
+    """`convert` writes LeRobot 0.4.4's pi0.5 processor files: the steps its factory makes, the
+    (un)normalizer's stats as LeRobot flattens them (float32 of the run's), JSON as
+    `save_pretrained` writes it. LeRobot's loading and normalizing logic reads them to the run's
+    normalization; `lerobot_normalizer` reads them back bit-identical; pi0 has its own step order;
+    a malformed file is a one-line error naming the file and the key."""
+    import shutil
+
+    import numpy as np
+    import torch
+    from loongforge.core.errors import UserError
+    from loongforge.embodied.convert import lerobot_normalizer
+    from loongforge.embodied.data.normalize import Normalizer
+    from loongforge.embodied.lerobot_processor import pi_processor_files, policy_features, stats_state, write_processor_files
+    from safetensors.torch import save, save_file
+
+    out, _ = exported
+    run = Normalizer.from_state_dict(next(iter(json.loads((trained / "normalizer.json").read_text()).values())))
+    io = json.loads((trained / "policy_io.json").read_text())
+    want = {f"{f}.{s}": torch.from_numpy(v).to(torch.float32) for f, d in run.stats.items() for s, v in d.items()}
+    assert sorted(want) == ["action.q01", "action.q99", "observation.state.q01", "observation.state.q99"]
+
+    pre_name, pre = lerobot_load_pipeline(out, "policy_preprocessor.json")
+    post_name, post = lerobot_load_pipeline(out, "policy_postprocessor.json")
+    assert (pre_name, [n for n, _, _ in pre]) == ("policy_preprocessor", PI05_PRE)
+    assert (post_name, [n for n, _, _ in post]) == ("policy_postprocessor", POST)
+    for name in ("policy_preprocessor.json", "policy_postprocessor.json"):  # json.dump(indent=2), each state file there
+        text = (out / name).read_text()
+        assert text == json.dumps(json.loads(text), indent=2)
+        for entry in json.loads(text)["steps"]:
+            assert "state_file" not in entry or (out / entry["state_file"]).read_bytes() == save(want), entry
+    (_, norm_cfg, norm_stats), (_, unnorm_cfg, unnorm_stats) = pre[2], post[0]
+    cameras = {c: {"type": "VISUAL", "shape": [3, 32, 32]} for c in io["cameras"]}
+    assert norm_cfg == {
+        "eps": 1e-8,
+        "features": {
+            **cameras,
+            "observation.state": {"type": "STATE", "shape": [io["state_dim"]]},
+            "action": {"type": "ACTION", "shape": [io["action_dim"]]},
+        },
+        "norm_map": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"},
+    }
+    assert unnorm_cfg == {**norm_cfg, "features": {"action": norm_cfg["features"]["action"]}}
+    assert pre[4][1] == {
+        "max_length": 48,
+        "task_key": "task",
+        "padding_side": "right",
+        "padding": "max_length",
+        "truncation": True,
+        "tokenizer_name": "google/paligemma-3b-pt-224",
+    }
+    assert pre[3][1] == pre[1][1] == {} and post[1][1] == {"device": "cpu", "float_dtype": None}
+    for stats in (norm_stats, unnorm_stats):
+        assert all(torch.equal(stats[k.rsplit(".", 1)[0]][k.rsplit(".", 1)[1]], v) for k, v in want.items())
+    # LeRobot's transforms with these files equal the run's normalizer on float32 inputs, bit for bit
+    g = torch.Generator().manual_seed(0)
+    state, action = torch.randn(3, io["state_dim"], generator=g), torch.randn(3, 8, io["action_dim"], generator=g)
+    for inverse in (False, True):
+        ours = (run.unnormalize if inverse else run.normalize)({"observation.state": state, "action": action})
+        lerobot_state = lerobot_transform(norm_cfg, norm_stats, "observation.state", "STATE", state, inverse)
+        lerobot_action = lerobot_transform(unnorm_cfg, unnorm_stats, "action", "ACTION", action, inverse)
+        assert torch.equal(lerobot_state, ours["observation.state"]) and torch.equal(lerobot_action, ours["action"])
+
+    back = lerobot_normalizer(out)  # the round trip: the files' tensors, bit-identical
+    assert back.modes == run.modes and back.eps == run.eps
+    assert all(np.array_equal(back.stats[f][s], want[f"{f}.{s}"].numpy()) for f, d in run.stats.items() for s in d)
+    x = {"observation.state": state.numpy(), "action": action.numpy()}
+    for fn in ("normalize", "unnormalize"):
+        assert all(np.array_equal(getattr(back, fn)(x)[k], getattr(run, fn)(x)[k]) for k in x)
+    assert lerobot_normalizer(tmp_path) is None
+
+    # pi0: its step order, MEAN_STD through the same files
+    mean_std = Normalizer(
+        {"s": {"mean": [0.5, 1.0], "std": [2.0, 0.0]}, "a": {"mean": [3.0], "std": [4.0]}}, {"s": "MEAN_STD", "a": "MEAN_STD"}
+    )
+    inputs, outputs = policy_features(["observation.images.top"], 224, 2, 1)
+    modes = {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"}
+    pi0 = pi_processor_files("pi0", inputs, outputs, modes, stats_state(mean_std, {"s": "observation.state", "a": "action"}), 1e-8, 48)
+    (tmp_path / "pi0").mkdir()
+    written = write_processor_files(pi0, tmp_path / "pi0")
+    assert sorted(written) == sorted(p.name for p in (tmp_path / "pi0").iterdir())
+    assert "policy_preprocessor_step_5_normalizer_processor.safetensors" in written
+    assert [n for n, _, _ in lerobot_load_pipeline(tmp_path / "pi0", "policy_preprocessor.json")[1]] == PI0_PRE
+    got = lerobot_normalizer(tmp_path / "pi0", "s", "a")
+    assert got.modes == mean_std.modes and all(
+        np.array_equal(got.stats[f][s], mean_std.stats[f][s]) for f in got.stats for s in got.stats[f]
+    )
+
+    # malformed files: one line naming the file and the key
+    bad = tmp_path / "bad"
+    state_file = bad / "policy_preprocessor_step_2_normalizer_processor.safetensors"
+    config = json.loads((out / "policy_preprocessor.json").read_text())
+
+    def broken(name, content):
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(out, bad, ignore=shutil.ignore_patterns("model.safetensors"))
+        if isinstance(content, dict):
+            save_file(content, str(bad / name))
+        else:
+            (bad / name).write_bytes(content)
+        with pytest.raises(UserError) as e:
+            lerobot_normalizer(bad)
+        return str(e.value)
+
+    no_q99 = {k: v for k, v in want.items() if k != "action.q99"}
+    bad_mode = json.loads(json.dumps(config))
+    bad_mode["steps"][2]["config"]["norm_map"]["STATE"] = "MEDIAN"
+    for name, content, words in (
+        ("policy_preprocessor.json", b'{"name": "policy_preprocessor", "steps": [', ["not a JSON processor config"]),
+        ("policy_preprocessor.json", json.dumps(bad_mode).encode(), ["steps[2].config.norm_map.STATE", "'MEDIAN'"]),
+        (state_file.name, no_q99, ["'action.q99'", "QUANTILES"]),
+        (state_file.name, b"not safetensors", ["not a safetensors file"]),
+    ):
+        message = broken(name, content)
+        assert "\n" not in message and name in message and all(w in message for w in words), message
 
 
 def test_lerobot_config_names_the_published_shapes():

@@ -58,7 +58,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--width", type=int, default=64)
     g.add_argument("--steps", type=int, default=20)
     g.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale (<= 1: none)")
-    g.add_argument("--scheduler", choices=["unipc", "euler"], default="unipc")
+    g.add_argument(
+        "--scheduler", choices=["unipc", "euler"], default=None, help="default: the family's pipeline's (Wan: unipc, Qwen-Image: euler)"
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--fps", type=int, default=16)
     g.add_argument("--device", default="cpu")

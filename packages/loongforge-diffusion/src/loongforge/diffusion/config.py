@@ -66,7 +66,10 @@ class QwenImageRunConfig(WanRunConfig):
     """A Qwen-Image run: the same sections, the model a `QwenImageTransformer2DModel` shape; the
     data are images (1-frame latents, the demo takes each video's first frame) with their real
     text tokens (`data.text_len` does not apply); `boundary_ratio`, context parallel and
-    first-frame conditioning are Wan's."""
+    first-frame conditioning are Wan's. The flow defaults are the published Qwen-Image recipe's:
+    trained unshifted (diffusers' train_dreambooth_lora_qwen_image.py), sampled with the
+    size-dependent shift (QwenImagePipeline)."""
 
     recipe: str = "diffusion.qwen_image"
     model: QwenImageConfig = field(default_factory=QwenImageConfig)
+    flow: FlowMatchingConfig = field(default_factory=lambda: FlowMatchingConfig(shift=1.0, sampling_shift="dynamic"))

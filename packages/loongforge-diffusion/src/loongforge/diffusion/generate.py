@@ -2,8 +2,12 @@
 
 The run's transformer (its EMA where it kept one) denoises Gaussian latents with Wan's
 scheduler (diffusers' UniPCMultistepScheduler in flow-prediction mode at the run's shift, as
-WanPipeline samples; or the flow-matching Euler scheduler), classifier-free guidance against the
-negative prompt's text states, then the run's frozen VAE decodes the latents.
+WanPipeline samples; or the flow-matching Euler scheduler, Qwen-Image's default as
+QwenImagePipeline samples), classifier-free guidance against the negative prompt's text states,
+then the run's frozen VAE decodes the latents. With `flow.sampling_shift: dynamic` (Qwen-Image)
+the scheduler is built as the published Qwen/Qwen-Image scheduler_config.json builds it
+(`use_dynamic_shifting`, exponential time shift, `shift_terminal`) and gets QwenImagePipeline's
+sigmas and mu from the generated image's token count (`set_schedule`).
 """
 
 from __future__ import annotations
@@ -14,22 +18,54 @@ from pathlib import Path
 import numpy as np
 import torch
 from loongforge.core.errors import UserError
+from loongforge.diffusion.flow_matching import calculate_shift
 from loongforge.diffusion.models.wan import predict
 from loongforge.diffusion.task import build_transformer, pad_text
 
 SCHEDULERS = ("unipc", "euler")
 
 
-def make_scheduler(name: str, shift: float, num_train_timesteps: int):
+def make_scheduler(name: str, flow):
+    """diffusers' scheduler `name` for the run's flow config: at `flow.shift`, or (sampling_shift:
+    dynamic) with the size-dependent shift's settings in its config, as Qwen/Qwen-Image's
+    scheduler_config.json (use_dynamic_shifting, time_shift_type exponential, base / max image
+    sequence length and shift, shift_terminal, shift 1); `set_schedule` then gives it mu."""
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
+    n = flow.num_train_timesteps
+    dynamic, d = flow.sampling_shift == "dynamic", flow.dynamic_shift
+    shift = 1.0 if dynamic else flow.shift
+    kw = {"use_dynamic_shifting": True, "time_shift_type": "exponential", "shift_terminal": d.shift_terminal or None} if dynamic else {}
+    seq = {"base_image_seq_len": d.base_seq_len, "max_image_seq_len": d.max_seq_len, "base_shift": d.base_shift, "max_shift": d.max_shift}
     if name == "unipc":
-        return UniPCMultistepScheduler(
-            prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=num_train_timesteps, flow_shift=shift
+        sched = UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=n, flow_shift=shift, **kw
         )
+        if dynamic:  # UniPC takes no such arguments; its config carries them as the pipeline reads them
+            sched.register_to_config(**seq)
+        return sched
     if name == "euler":
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=n, shift=shift, **kw, **(seq if dynamic else {}))
     raise UserError(f"--scheduler={name!r}: choose one of {', '.join(SCHEDULERS)}")
+
+
+def set_schedule(scheduler, steps: int, seq_len: int, device) -> None:
+    """The scheduler's timesteps for `steps` steps of an image (or video) of `seq_len` patch
+    tokens. A static scheduler: its own. One with `use_dynamic_shifting`: QwenImagePipeline's,
+    sigmas linspace(1, 1/steps, steps) and mu = calculate_shift(seq_len, ...) of the scheduler's
+    config (the pipeline's own fallbacks where a key is missing)."""
+    c = scheduler.config
+    if not c.get("use_dynamic_shifting", False):
+        scheduler.set_timesteps(steps, device=device)
+        return
+    mu = calculate_shift(
+        seq_len,
+        c.get("base_image_seq_len", 256),
+        c.get("max_image_seq_len", 4096),
+        c.get("base_shift", 0.5),
+        c.get("max_shift", 1.15),
+    )
+    scheduler.set_timesteps(steps, device=device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
 
 
 def latent_shape(vae, channels: int, frames: int, height: int, width: int, patch) -> tuple[int, int, int, int]:
@@ -55,9 +91,9 @@ def sample_latents(
     `first_frame` [channels, 1, h, w]: the latents of a conditioning image, held as the first
     latent frame at time 0 (Wan2.2 TI2V's image-to-video, as WanPipeline's expand_timesteps)."""
     latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)[None]
-    scheduler.set_timesteps(steps, device=device)
     _, f, h, w = shape
     pt, ph, pw = model.cfg.patch_size
+    set_schedule(scheduler, steps, (f // pt) * (h // ph) * (w // pw), device)
     for t in scheduler.timesteps:
         ts = t.expand(1).to(device)
         if first_frame is not None:
@@ -85,7 +121,7 @@ def sample_image_latents(model, cond: torch.Tensor, uncond: torch.Tensor, shape,
     c, _, h, w = shape
     p = model.cfg.patch_size
     latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
-    scheduler.set_timesteps(steps, device=device)
+    set_schedule(scheduler, steps, (h // p) * (w // p), device)  # QwenImagePipeline's image_seq_len
     for t in scheduler.timesteps:
         rows = pack_latents(latents, p)
 
@@ -133,7 +169,7 @@ def generate(
     guidance: float = 5.0,
     negative_prompt: str = "",
     seed: int = 0,
-    scheduler: str = "unipc",
+    scheduler: str | None = None,
     fps: int = 16,
     device: str = "cpu",
     ema: bool | None = None,
@@ -165,7 +201,8 @@ def generate(
     vae = load_vae(frozen["vae"], family=fam).to(device)
     tok, enc = load_text_encoder(frozen["text_encoder"], family=fam)
     texts = [encode_text(tok, enc, [p], family=fam)[0].to(device) for p in (prompt, negative_prompt)]
-    sched = make_scheduler(scheduler, cfg.flow.shift, cfg.flow.num_train_timesteps)
+    # None: the family's pipeline's scheduler (WanPipeline: UniPC; QwenImagePipeline: Euler)
+    sched = make_scheduler(scheduler or ("euler" if fam == "qwen_image" else "unipc"), cfg.flow)
     g = torch.Generator().manual_seed(seed)
     if fam == "qwen_image":
         p = cfg.model.patch_size

@@ -21,7 +21,7 @@ from loongforge.core.data.mixture import DatasetMixture
 from loongforge.core.errors import UserError
 from loongforge.core.parallel.ulysses import local_range
 from loongforge.core.train.task import TrainingTask
-from loongforge.diffusion.flow_matching import loss_weight, noised, sample_u, shift_sigma
+from loongforge.diffusion.flow_matching import loss_weight, noised, sample_u, train_sigma
 from loongforge.diffusion.models.wan import WanDiT, WanExperts, patchify
 
 
@@ -97,7 +97,9 @@ class WanTask(TrainingTask):
     def loss(self, model, mb):
         flow, n = self.cfg.flow, len(mb["latents"])
         g = torch.Generator(device=self.device).manual_seed(mb["seed"])
-        sigma = shift_sigma(sample_u(flow, n, g, self.device), flow.shift)
+        # each sample's noise level: u shifted by flow.shift, or (flow.training_shift: dynamic) by
+        # Qwen-Image's size-dependent shift at the sample's own token count
+        sigma = train_sigma(flow, sample_u(flow, n, g, self.device), self.token_counts(mb["latents"]))
         drop = torch.rand(n, generator=g, device=self.device) < flow.caption_dropout
         texts = [self.empty_text if d else t for d, t in zip(drop.tolist(), mb["text"])]
         # Wan2.2 TI2V: a share of the samples keep their first latent frame clean, as the image
@@ -121,6 +123,11 @@ class WanTask(TrainingTask):
         weighted = sums / lens * loss_weight(flow, sigma)
         first = self.cp_group is None or dist.get_rank(self.cp_group) == 0  # each sample counted once
         return weighted.sum(), torch.tensor(float(n if first else 0), device=self.device), {}
+
+    def token_counts(self, latents: list[torch.Tensor]) -> list[int]:
+        """Each sample's patch-token count (what the size-dependent shift reads)."""
+        pt, ph, pw = self.cfg.model.patch_size
+        return [(f // pt) * (h // ph) * (w // pw) for _, f, h, w in (x.shape for x in latents)]
 
     def predict_rows(self, model, inputs, targets, sigma, texts, cond):
         """The family's part of the loss: (prediction rows, target rows, each row's sample, each
@@ -175,6 +182,11 @@ class QwenImageTask(WanTask):
                 f"{root}: sample {bad} has latents {tuple(shapes[bad])}; Qwen-Image trains on images (1 frame) whose latent sides "
                 f"divide by model.patch_size={c.patch_size}"
             )
+
+    def token_counts(self, latents: list[torch.Tensor]) -> list[int]:
+        """Each image's packed-token count: QwenImagePipeline's `image_seq_len`."""
+        p = self.cfg.model.patch_size
+        return [(x.shape[2] // p) * (x.shape[3] // p) for x in latents]
 
     def predict_rows(self, model, inputs, targets, sigma, texts, cond):
         from loongforge.diffusion.models.qwen_image import JointPack, pack_latents
