@@ -88,6 +88,8 @@ def _expand(row: Row, counts: dict[str, int], cfg=None):
         raise ValueError(f"mapping row {row.lf!r}: no repeat count for {{{missing[0]}}} (config repeats: {sorted(counts)})")
     if len(stacked) > 1:
         raise ValueError(f"mapping row {row.lf!r}: more than one stacked placeholder ({stacked})")
+    if stacked and not counts[stacked[0]]:
+        return  # no slices to stack (the experts' rows of a model without routed experts): no tensor
     shift = {p: getattr(cfg, attr) for p, attr in row.hf_shift}
     for values in itertools.product(*(range(counts[n]) for n in names)):
         fill = dict(zip(names, values))

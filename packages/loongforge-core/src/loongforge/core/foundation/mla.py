@@ -52,6 +52,25 @@ def mla_rope(cfg) -> tuple[torch.Tensor, float, float]:
     return rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling), 1.0, scale
 
 
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over `group`. megatron-core's
+    `copy_to_tensor_model_parallel_region` does the same but all-reduces a contiguous copy and
+    returns the gradient unreduced when it arrives non-contiguous (as the rotary key's does)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class ReplicatedLinear(nn.Module):
     """y = x W^T with the whole weight on every tensor-parallel rank (MLA's down projections,
     whose outputs every head needs); megatron's (output, bias) return convention."""
@@ -81,7 +100,6 @@ class MLASubmodules:
 @functools.cache
 def mla_attention_class():
     """A factory, so that importing this module does not import megatron-core."""
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.spec_utils import build_module
 
@@ -157,7 +175,7 @@ def mla_attention_class():
             kv, _ = self.linear_kv_up_proj(self.kv_layernorm(latent))
             k_nope, v = kv.view(s, b, self.heads, -1).split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
             if self.tp_group.size() > 1:  # each rank's heads use the shared rotary key: its gradient sums over them
-                k_rot = copy_to_tensor_model_parallel_region(k_rot, group=self.tp_group)
+                k_rot = _SumGradOverGroup.apply(k_rot, self.tp_group)
             q_nope, q_rot = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
             positions = RotarySDPAttention.positions(packed_seq_params, s, q.device)
             # [s, b, ...] -> [b, s, ...] for the rotary op

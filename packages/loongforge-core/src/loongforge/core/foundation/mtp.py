@@ -11,6 +11,13 @@ tokens shifted likewise (positions whose target lies past the end of the row, or
 sample, weigh 0). The trainer optimizes main + mtp_loss_weight / D * sum over depths, each a
 sum over tokens like the main loss (so normalized by the same global weight).
 
+Layouts (as megatron-core places its own MTP block): the modules live on the last pipeline
+stage, which holds a copy of the first stage's word embedding for their input (kept equal
+through the embedding group, like tied embeddings; built by spec's GPT model). Every piece is
+tensor-parallel the way the decoder is: the layer is a decoder layer, `eh_proj` and the norms are
+replicated, and the loss is the model's own (the fused linear + cross-entropy at TP=1, the
+vocab-parallel output layer and cross-entropy at TP > 1).
+
 HF's DeepseekV3ForCausalLM has no MTP modules (it skips their weights); LoongForge reads and
 writes them in the DeepSeek-V3 checkpoint layout: `model.layers.{num_layers + k - 1}.*`.
 """
@@ -35,6 +42,8 @@ def mtp_class():
     from loongforge.core.foundation.mla import ReplicatedLinear
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.utils import get_pg_rank
 
     class MTPDepth(MegatronModule):
         def __init__(self, config, layer_spec, layer_number: int, pg_collection, ops: OpTable):
@@ -43,7 +52,10 @@ def mtp_class():
             self.enorm = RMSNorm(config, h, eps, ops)
             self.hnorm = RMSNorm(config, h, eps, ops)
             self.eh_proj = ReplicatedLinear(2 * h, h, config=config, init_method=config.init_method)
-            self.layer = build_module(layer_spec, config=config, layer_number=layer_number, pg_collection=pg_collection)
+            # megatron's layer adds its stage's layer offset to the number it is given; the module
+            # keeps its global number (num_layers + k) on the last stage of any pipeline
+            offset = get_transformer_layer_offset(config, None, get_pg_rank(pg_collection.pp))
+            self.layer = build_module(layer_spec, config=config, layer_number=layer_number - offset, pg_collection=pg_collection)
             self.final_layernorm = RMSNorm(config, h, eps, ops)
 
     class MultiTokenPrediction(MegatronModule):
@@ -57,9 +69,18 @@ def mtp_class():
             )
             self.losses: list[torch.Tensor] = []  # each depth's weighted loss sum of the last forward (detached)
 
-        def forward(self, hidden, input_ids, labels, weights, embedding, output_weight, packed_seq_params=None) -> torch.Tensor:
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+            """Each depth's own (megatron's default would take the plain ModuleList's tensors as
+            replicated, losing the layer's tensor-parallel split)."""
+            out = {}
+            for k, depth in enumerate(self.layers):
+                out.update(depth.sharded_state_dict(f"{prefix}layers.{k}.", sharded_offsets, metadata))
+            return out
+
+        def forward(self, hidden, input_ids, labels, weights, embedding, loss_fn, packed_seq_params=None) -> torch.Tensor:
             """hidden [s, b, h] (the decoder's output); input_ids, labels, weights [b, s];
-            returns loss_weight / D * the sum over depths of each depth's weighted loss sum."""
+            `loss_fn(hidden, labels, weights)` the model's weighted loss sum through its shared
+            output layer; returns loss_weight / D * the sum over depths of each depth's loss."""
             from loongforge.core.foundation.layers import _cu_seqlens
 
             sample = None
@@ -79,7 +100,7 @@ def mtp_class():
                 x, _ = depth.eh_proj(torch.cat([depth.enorm(emb), depth.hnorm(hidden)], dim=-1))
                 hidden, _ = depth.layer(hidden_states=x, attention_mask=None, packed_seq_params=packed_seq_params)
                 out = depth.final_layernorm(hidden)
-                loss = self.ops.linear_cross_entropy(out.reshape(-1, out.shape[-1]), output_weight, lab.t().reshape(-1), w.t().reshape(-1))
+                loss = loss_fn(out, lab, w)
                 self.losses.append(loss.detach())
                 total = total + loss
             return total * (self.loss_weight / len(self.layers))

@@ -394,36 +394,92 @@ def gpt_model_class():
     """megatron-core's GPTModel, whose loss, given per-token weights as `loss_mask`, is the
     weighted sum of the tokens' cross-entropies. At TP=1 the output projection and the loss are
     one op-table call (`linear_cross_entropy`: fused implementations never hold the logits); a
-    vocab-parallel output layer keeps megatron's own cross-entropy. A factory, so that importing
-    this module does not import megatron-core."""
+    vocab-parallel output layer keeps megatron's own cross-entropy. With multi-token prediction
+    (foundation.mtp, on the last stage) a pipeline's last stage holds a copy of the word
+    embedding, as megatron-core's MTP does. A factory, so that importing this module does not
+    import megatron-core."""
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.multi_token_prediction import tie_word_embeddings_state_dict
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
     class LossWeightedGPTModel(GPTModel):
-        def __init__(self, *args, ops: OpTable | None = None, multi_token_prediction=None, **kwargs):
+        def __init__(self, *args, ops: OpTable | None = None, multi_token_prediction=None, mtp_num_layers: int = 0, **kwargs):
             super().__init__(*args, **kwargs)
             self.ops = ops or OpTable()
             self.multi_token_prediction = multi_token_prediction  # foundation.mtp's modules (training loss only)
+            if mtp_num_layers and self.pp_group.size() > 1:
+                self._share_embedding_with_mtp()
+
+        def _share_embedding_with_mtp(self) -> None:
+            """The MTP modules embed on the last stage: it gets a copy of the first stage's word
+            embedding, started equal to it and kept equal by the embedding group's gradient
+            all-reduce (the `shared_embedding` mark; `shared`: counted once in the norm)."""
+            import torch.distributed as dist
+            from loongforge.core.accelerator import active_accelerator
+
+            if self.pre_process:
+                weight = self.embedding.word_embeddings.weight
+            elif self.post_process:
+                with torch.random.fork_rng(devices=[]):  # its init draws leave the run's RNG as it was
+                    self.embedding = LanguageModelEmbedding(
+                        config=self.config,
+                        vocab_size=self.vocab_size,
+                        max_sequence_length=self.max_sequence_length,
+                        position_embedding_type="none",
+                        tp_group=self.pg_collection.tp,
+                    )
+                weight = self.embedding.word_embeddings.weight
+                weight.shared = True
+                weight.data.zero_()
+            else:
+                return
+            weight.shared_embedding = True
+            acc = active_accelerator()
+            buf = weight.data.to(acc.device() if acc is not None else weight.device)  # (NCCL reduces device tensors only)
+            dist.all_reduce(buf, group=self.embd_group)
+            weight.data.copy_(buf)
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            if self.multi_token_prediction is not None and not self.pre_process:  # the copy: a replica of the first stage's
+                tie_word_embeddings_state_dict(
+                    sd,
+                    self.embedding.word_embeddings.weight,
+                    f"{prefix}embedding.word_embeddings.weight",
+                    tp_group=self.pg_collection.tp,
+                    dp_cp_group=metadata["dp_cp_group"],
+                )
+            return sd
+
+        def _weighted_loss(self, hidden_states, labels, weights, output_weight=None):
+            """The sum over tokens of weights * cross-entropy of hidden states [s, b, h] against
+            labels [b, s] with weights [b, s], through the output layer (`output_weight`: the tied
+            embedding)."""
+            if self.output_layer.tp_group.size() == 1:
+                weight = self.output_layer.weight if output_weight is None else output_weight
+                return self.ops.linear_cross_entropy(
+                    hidden_states.reshape(-1, hidden_states.shape[-1]), weight, labels.t().reshape(-1), weights.t().reshape(-1).float()
+                )
+            logits, _ = self.output_layer(hidden_states, weight=output_weight)  # vocab-parallel
+            return (self.compute_language_model_loss(labels, logits).float() * weights).sum()
 
         def _postprocess(self, hidden_states, **kw):
             labels, weights = kw.get("labels"), kw.get("loss_mask")
             if not self.post_process or labels is None or weights is None or self.mtp_process:
                 return super()._postprocess(hidden_states, **kw)
-            if self.output_layer.tp_group.size() == 1:
-                weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else self.output_layer.weight
-                # hidden states are [s, b, h]; labels and weights [b, s]
-                loss = self.ops.linear_cross_entropy(
-                    hidden_states.reshape(-1, hidden_states.shape[-1]), weight, labels.t().reshape(-1), weights.t().reshape(-1).float()
-                )
-                if self.multi_token_prediction is not None:
-                    from loongforge.core.foundation.moe import attach_loss
+            output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+            loss_fn = functools.partial(self._weighted_loss, output_weight=output_weight)
+            loss = loss_fn(hidden_states, labels, weights)
+            if self.multi_token_prediction is not None:
+                from loongforge.core.foundation.moe import attach_loss
 
-                    mtp = self.multi_token_prediction(
-                        hidden_states, kw["input_ids"], labels, weights, self.embedding, weight, kw.get("packed_seq_params")
-                    )
-                    loss = attach_loss(loss, mtp)  # in backward, not in the reported next-token loss
-                return loss
-            per_token = super()._postprocess(hidden_states, **{**kw, "loss_mask": None})
-            return (per_token.float() * weights).sum()
+                mtp = self.multi_token_prediction(
+                    hidden_states, kw["input_ids"], labels, weights, self.embedding, loss_fn, kw.get("packed_seq_params")
+                )
+                loss = attach_loss(loss, mtp)  # in backward, not in the reported next-token loss
+            return loss
 
     return LossWeightedGPTModel
 
@@ -497,22 +553,23 @@ def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dt
         if n % ctx.tp_size:
             raise UserError(f"model.{name}={n} must be divisible by tensor_model_parallel_size={ctx.tp_size}")
     validate_moe(cfg, ctx.ep_size, ctx.tp_size)
-    if cfg.mtp_num_layers and (ctx.tp_size > 1 or ctx.pp_size > 1):
+    if cfg.mtp_num_layers and cfg.tie_word_embeddings and ctx.pp_size > 1:
         raise UserError(
-            f"model.mtp_num_layers={cfg.mtp_num_layers}: multi-token prediction runs at tensor_model_parallel_size=1 and "
-            "pipeline_model_parallel_size=1 for now (or set model.mtp_num_layers=0)"
+            f"model.mtp_num_layers={cfg.mtp_num_layers} with model.tie_word_embeddings=true runs at pipeline_model_parallel_size=1 "
+            "(untie the embeddings or set pipeline_model_parallel_size=1)"
         )
     ops = ops or OpTable()
     per_stage = cfg.num_layers // ctx.pp_size
     config = transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute, ctx.ep_size)
     mtp = None
-    if cfg.mtp_num_layers:
+    if cfg.mtp_num_layers and ctx.is_last_stage:  # (megatron-core's placement)
         from loongforge.core.foundation.mtp import mtp_class
 
         mtp = mtp_class()(config, cfg, layer_spec(cfg, ops, ctx, lora), ctx.pg_collection(), ops)
     model = gpt_model_class()(
         config=config,
         multi_token_prediction=mtp,
+        mtp_num_layers=cfg.mtp_num_layers,
         transformer_layer_spec=block_spec(cfg, ops, per_stage, ctx, lora, ctx.pp_rank * per_stage),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
