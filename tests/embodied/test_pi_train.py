@@ -47,13 +47,16 @@ def test_resume_gives_the_uninterrupted_losses(straight, tmp_path):
 
 @pytest.mark.slow
 def test_two_gloo_processes_equal_one(straight, tmp_path):
-    """DDP, ZeRO-1 and FSDP2 on 2 gloo processes give the one-process losses; so does FSDP2 with
-    LoRA adapters (frozen and trainable weights in one sharded layer)."""
+    """DDP, ZeRO-1, FSDP2 and HSDP (a 2 x 1 mesh: replicas x shards) on 2 gloo processes give the
+    one-process losses; so does FSDP2 with LoRA adapters (frozen and trainable weights in one
+    sharded layer)."""
     lora = ["lora.rank=4", "train.ema_decay=0.9"]
     one_lora = tmp_path / "one_lora"
     r = train([*SMALL, "train.train_iters=4", *lora, f"checkpoint.run_dir={one_lora}"])
     assert r.returncode == 0, r.stderr[-3000:]
-    for mode, extra, ref in (("ddp", [], straight), ("zero1", [], straight), ("fsdp", [], straight), ("fsdp", lora, one_lora)):
+    hsdp = ["parallel.data_parallel_replicas=2"]
+    runs = (("ddp", [], straight), ("zero1", [], straight), ("fsdp", [], straight), ("hsdp", hsdp, straight), ("fsdp", lora, one_lora))
+    for mode, extra, ref in runs:
         d = tmp_path / f"{mode}{len(extra)}"
         r = train([*SMALL, "train.train_iters=4", f"parallel.data_parallel_mode={mode}", *extra, f"checkpoint.run_dir={d}"], nproc=2)
         assert r.returncode == 0, r.stderr[-3000:]
