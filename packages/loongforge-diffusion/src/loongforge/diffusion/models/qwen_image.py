@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import Row
 from loongforge.core.ops import OpTable
-from loongforge.diffusion.models.wan import MLP2, RMSWeight, diffusers_fields, timestep_features
+from loongforge.diffusion.models.wan import MLP2, RMSWeight, diffusers_fields, sample_rows, timestep_features
 from torch import nn
 
 UNSUPPORTED = ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
@@ -128,6 +128,10 @@ class JointPack:
     to_joint: torch.Tensor  # cat([text rows, image rows])[to_joint] is the joint order
     max_len: int
 
+    @property
+    def img_lens(self) -> list[int]:
+        return [f * h * w for f, h, w in self.img_shapes]
+
     @classmethod
     def of(cls, img_shapes, text_lens, device) -> "JointPack":
         img = [f * h * w for f, h, w in img_shapes]
@@ -176,7 +180,7 @@ class JointBlock(nn.Module):
         mi = self.img_mod(F.silu(temb_img)).chunk(6, dim=-1)
         mt = self.txt_mod(F.silu(temb_txt)).chunk(6, dim=-1)
         gi, gt = pack.img_sample, pack.txt_sample
-        mi, mt = [m[gi] for m in mi], [m[gt] for m in mt]
+        mi, mt = [sample_rows(m, gi, pack.img_lens) for m in mi], [sample_rows(m, gt, pack.text_lens) for m in mt]
         qi, ki, vi = self._qkv("img", img, (mi[0], mi[1]), *angles[0])
         qt, kt, vt = self._qkv("txt", txt, (mt[0], mt[1]), *angles[1])
         joint = [torch.cat([t, i])[pack.to_joint] for t, i in ((qt, qi), (kt, ki), (vt, vi))]
@@ -252,7 +256,10 @@ class QwenImageDiT(nn.Module):
         for block in self.layers:
             img, txt = block(img, txt, temb, temb, angles, pack)
         scale, shift = self.out_mod(F.silu(temb)).chunk(2, dim=-1)
-        img = _modulate(F.layer_norm(img, img.shape[-1:], eps=1e-6), shift[pack.img_sample], scale[pack.img_sample])
+        gi = pack.img_sample
+        img = _modulate(
+            F.layer_norm(img, img.shape[-1:], eps=1e-6), sample_rows(shift, gi, pack.img_lens), sample_rows(scale, gi, pack.img_lens)
+        )
         return self.proj_out(img)
 
 

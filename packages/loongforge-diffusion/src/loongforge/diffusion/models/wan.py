@@ -207,6 +207,15 @@ class Pack:
     def max_len(self) -> int:
         return max(f * h * w for f, h, w in self.grids)
 
+    def local_lens(self) -> list[int]:
+        """Each sample's token count within this rank's slice [start, end) (host ints)."""
+        out, a = [], 0
+        for f, h, w in self.grids:
+            b = a + f * h * w
+            out.append(max(0, min(b, self.end) - max(a, self.start)))
+            a = b
+        return out
+
     @property
     def total(self) -> int:
         return sum(f * h * w for f, h, w in self.grids)
@@ -232,7 +241,29 @@ def _per_token(v: torch.Tensor, pack: Pack) -> torch.Tensor:
         return v
     if v.shape[0] == 1:
         return v
-    return v[pack.sample_of_token]
+    return sample_rows(v, pack.sample_of_token, pack.local_lens())
+
+
+def sample_rows(v: torch.Tensor, owner: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """v [samples, ...] -> [tokens, ...]: token t takes row owner[t]; the samples' tokens are
+    contiguous runs of `lens` (host ints, summing to the tokens)."""
+    return _SampleRows.apply(v, owner, lens)
+
+
+class _SampleRows(torch.autograd.Function):
+    """v [samples, ...] -> [tokens, ...], token t taking its sample's row (`owner`, samples in
+    contiguous runs of `lens` tokens, host ints). The backward sums each run of the gradient: the
+    gradient of an index (index_put with accumulation) adds tens of thousands of rows into the
+    same few on CUDA, which serializes over the repeats."""
+
+    @staticmethod
+    def forward(ctx, v, owner, lens):
+        ctx.lens = lens
+        return v.index_select(0, owner)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.stack([part.sum(0) for part in grad.split(ctx.lens)]), None, None
 
 
 class MLP2(nn.Module):
