@@ -555,3 +555,54 @@ def test_preprocess_qwen_image(demo, tmp_path, qwen_encoders, clean):
     assert not (tmp_path / "video").exists()
     with pytest.raises(UserError, match="family 'flux'"):
         run(src, tmp_path / "flux", buckets=["32x32x1"], family="flux")
+
+
+def test_preprocess_i2v_condition_latents_and_clip_features(demo, tmp_path, encoders, monkeypatch):
+    """Wan2.1 image-to-video (`image_spec`): each sample also holds its first frame's condition
+    latents (the VAE run on that frame followed by zeros) and CLIP features (the penultimate
+    hidden states of the frame as the VAE saw it), equal to the encoders run directly; an
+    interrupted run resumes to the uninterrupted output, another image encoder is refused."""
+    from loongforge.diffusion.data import load_image_encoder
+    from PIL import Image
+
+    vae = encoders[0]
+    processor, clip = load_image_encoder("tiny")
+    src = tmp_path / "src"
+    shutil.copytree(demo / "videos", src / "videos")
+    lines = [json.loads(x) for x in (demo / "captions.jsonl").read_text().splitlines()][:2]
+    (src / "captions.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "latents"
+    summary = run(src, out, buckets=["32x32x5"], shard_size=1, image_spec="tiny")
+    assert (summary["samples"], summary["shards"], summary["bad"]) == (2, 2, {})
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["image_encoder"], meta["image_dim"]) == ("tiny", 16)
+    ds = LatentDataset(out)
+    for i, line in enumerate(lines):
+        video = resize_crop(read_video(src / line["video"], 5, None), 32, 32)
+        sample = ds.get(i)
+        assert torch.equal(sample["latents"], encode_video(vae, video))
+        first_then_zeros = torch.cat([video[:, :1], torch.zeros(3, 4, 32, 32)], dim=1)
+        assert sample["condition"].shape == (4, 2, 4, 4) and torch.equal(sample["condition"], encode_video(vae, first_then_zeros))
+        pixels = ((video[:, 0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        with torch.no_grad():
+            want = clip(**processor(images=Image.fromarray(pixels), return_tensors="pt"), output_hidden_states=True).hidden_states[-2][0]
+        assert sample["image"].shape == (17, 16) and torch.equal(sample["image"], want)
+    # resumable as text-to-video outputs: interrupted after the first shard, run again
+    write_shard, calls = prep_mod._write_shard, []
+
+    def interrupted(*args, **kwargs):
+        write_shard(*args, **kwargs)
+        calls.append(args[1])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep_mod, "_write_shard", interrupted)
+    again = tmp_path / "again"
+    with pytest.raises(KeyboardInterrupt):
+        run(src, again, buckets=["32x32x5"], shard_size=1, image_spec="tiny")
+    monkeypatch.setattr(prep_mod, "_write_shard", write_shard)
+    assert calls == ["00000"] and run(src, again, buckets=["32x32x5"], shard_size=1, image_spec="tiny") == summary | {"out": str(again)}
+    assert files(again) == files(out)
+    with pytest.raises(UserError, match="image_encoder: 'tiny' there, None now"):
+        run(src, out, buckets=["32x32x5"], shard_size=1)
+    with pytest.raises(UserError, match="family 'qwen_image' takes none"):
+        run(src, tmp_path / "qwen", buckets=["32x32x1"], family="qwen_image", image_spec="tiny")

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from conftest import losses, run_cli
+from loongforge.core.errors import UserError
 
 MODULE = "loongforge.diffusion.cli"
 SMALL = ["train.micro_batch_size=2", "train.global_batch_size=4", "train.log_interval=1", "data.demo.count=8"]
@@ -202,6 +203,150 @@ def test_first_frame_conditioning_equals_diffusers_ti2v_by_hand():
     assert abs(total.item() - sum(want).item()) <= 1e-5 * abs(sum(want).item())
 
 
+def test_i2v_config_checks():
+    """wan_i2v_tiny validates; what image-to-video does not support is refused by name."""
+    from loongforge.core.config import load_config
+    from loongforge.diffusion.config import CONFIG_DIR, WanRunConfig
+    from loongforge.diffusion.recipe import validate
+
+    def cfg(**changes):
+        c = load_config(WanRunConfig, CONFIG_DIR / "wan_i2v_tiny.yaml")
+        for key, value in changes.items():
+            section, name = key.split("__")
+            setattr(getattr(c, section), name, value)
+        return c
+
+    validate(cfg())
+    for changes, message in (
+        ({"frozen__image_encoder": None}, "needs frozen.image_encoder"),
+        ({"data__text_len": 32}, "data.text_len=32: image-to-video"),
+        ({"parallel__context_parallel_size": 2}, "parallel.context_parallel_size=2: not supported for image-to-video"),
+        ({"flow__first_frame_condition": 0.5}, "flow.first_frame_condition=0.5: not supported for image-to-video"),
+    ):
+        with pytest.raises(UserError, match=message):
+            validate(cfg(**changes))
+    c = cfg()
+    c.boundary_ratio = 0.5
+    with pytest.raises(UserError, match="boundary_ratio=0.5: not supported for image-to-video"):
+        validate(c)
+
+
+def test_i2v_task_loss_equals_diffusers_i2v_pipeline_conditioning_by_hand():
+    """Wan2.1 image-to-video: the task's loss (preprocessed condition latents and CLIP features, its
+    own mask) equals the flow-matching loss of diffusers' I2V WanTransformer3DModel fed the noisy
+    latents concatenated with what `WanImageToVideoPipeline.prepare_latents` builds from the first
+    frame (mask + condition latents; generate's `i2v_condition` builds the same) and
+    `encode_image`'s CLIP features; only the latents are noised and predicted."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from loongforge.core.foundation.hf_mapping import lf_to_hf
+    from loongforge.diffusion.config import WanRunConfig
+    from loongforge.diffusion.data import (
+        condition_video,
+        encode_image,
+        encode_video,
+        frame_image,
+        load_image_encoder,
+        load_text_encoder,
+        load_vae,
+    )
+    from loongforge.diffusion.flow_matching import sample_u, shift_sigma
+    from loongforge.diffusion.generate import i2v_condition
+    from loongforge.diffusion.models.wan import WAN_TABLE
+    from loongforge.diffusion.task import WanTask, pad_text
+
+    cfg = WanRunConfig()
+    cfg.model.in_channels, cfg.model.image_dim, cfg.model.added_kv_proj_dim = 12, 16, cfg.model.hidden_size
+    cfg.flow.shift, cfg.flow.caption_dropout = 3.0, 0.5  # data.text_len: 512, as diffusers' I2V model needs
+    vae, (processor, clip) = load_vae("tiny"), load_image_encoder("tiny")
+    g0 = torch.Generator().manual_seed(0)
+    videos = [torch.randint(0, 256, (3, f, h, w), generator=g0) / 127.5 - 1 for f, h, w in ((9, 32, 32), (5, 32, 48))]
+    items = [
+        {
+            "latents": encode_video(vae, v),
+            "text": torch.randn(n, cfg.model.text_dim),
+            "condition": encode_video(vae, condition_video(v)),
+            "image": encode_image(processor, clip, frame_image(v[:, 0])),
+        }
+        for v, n in zip(videos, (5, 3))
+    ]
+
+    class Latents(list):
+        meta = {"latent_channels": 4, "text_dim": cfg.model.text_dim, "image_dim": 16}
+        get = list.__getitem__
+
+    empty = torch.randn(1, cfg.model.text_dim)
+    task = WanTask(cfg, Latents(items), empty, 0, 1, torch.device("cpu"), None)
+    torch.manual_seed(0)
+    model = task.build_model()
+    mb = {k: [it[k] for it in items] for k in ("latents", "text", "condition", "image")} | {"seed": 99}
+    with torch.no_grad():
+        total, weight, _ = task.loss(model, mb)
+
+    ref = WanTransformer3DModel(**{k: v for k, v in cfg.model.diffusers_config().items() if not k.startswith("_")})
+    ref.load_state_dict(lf_to_hf(WAN_TABLE, model.state_dict(), cfg.model))
+    tok, enc = load_text_encoder("tiny")
+    pipe = WanImageToVideoPipeline(tok, enc, vae, FlowMatchEulerDiscreteScheduler(), processor, clip, ref)
+    g = torch.Generator().manual_seed(99)
+    sigma = shift_sigma(sample_u(cfg.flow, 2, g, "cpu"), 3.0)
+    drop = torch.rand(2, generator=g) < 0.5
+    texts = [empty if d else it["text"] for d, it in zip(drop.tolist(), items)]
+    want = []
+    for v, it, s, t in zip(videos, items, sigma, texts):
+        x0 = it["latents"]
+        noise = torch.randn(x0.shape, generator=g)
+        _, f, h, w = v.shape
+        x_t, condition = pipe.prepare_latents(
+            v[None, :, 0], 1, 4, h, w, f, torch.float32, "cpu", None, (1 - s) * x0[None] + s * noise[None]
+        )
+        assert torch.allclose(condition[0], torch.cat([task.mask(x0), it["condition"]]), atol=1e-6)  # the pipeline's mask + latents
+        assert torch.allclose(condition[0], i2v_condition(vae, v[:, 0], f, 4), atol=1e-6)  # generate's, from the image alone
+        image = pipe.encode_image(frame_image(v[:, 0]), "cpu")
+        assert torch.allclose(image[0], it["image"], atol=1e-6)
+        with torch.no_grad():
+            pred = ref(torch.cat([x_t, condition], dim=1), (s * 1000)[None], pad_text([t], 512), image, return_dict=False)[0][0]
+        assert pred.shape == x0.shape  # the latents' channels only
+        want.append((pred - (noise - x0)).square().mean())
+    assert weight.item() == 2.0
+    assert abs(total.item() - sum(want).item()) <= 1e-5 * abs(sum(want).item())
+
+
+def test_i2v_demo_trains_then_generates_from_an_image(tmp_path, capsys):
+    """The shipped wan_i2v_tiny (tiny CLIP image encoder) trains a few steps on its demo, keeps the
+    frozen encoders out of the checkpoint, and generates from --image (required for an I2V run)."""
+    import av
+    from loongforge.core.checkpoint.dcp_io import read_run
+    from loongforge.diffusion.config import WanRunConfig
+    from PIL import Image
+
+    run = tmp_path / "run"
+    small = ["train.micro_batch_size=2", "train.global_batch_size=2", "train.log_interval=1", "data.demo.count=2", "data.demo.frames=5"]
+    r = run_cli(
+        ["train", "wan_i2v_tiny", *small, "train.train_iters=2", "data.demo.height=32", "data.demo.width=32", f"checkpoint.run_dir={run}"],
+        module=MODULE,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(losses(run)) == [1, 2] and all(math.isfinite(v) for v in losses(run).values())
+    frozen = json.loads((run / "frozen.json").read_text())
+    assert (run / "frozen" / "image_encoder" / "config.json").is_file() and frozen["image_encoder"] == str(run / "frozen")
+    meta = json.loads((run / "data" / "demo" / "latents" / "meta.json").read_text())
+    assert (meta["image_encoder"], meta["image_dim"]) == ("tiny", 16)
+    _, state = read_run(run, WanRunConfig, "diffusion.wan")
+    assert "image_in.fc1.weight" in state and not any(k.startswith(("vae", "image_encoder", "text_encoder")) for k in state)
+
+    Image.new("RGB", (40, 32), (200, 30, 30)).save(tmp_path / "first.png")
+    out = tmp_path / "clip.mp4"
+    args = ["--prompt", "a red square", "--height", "32", "--width", "32", "--frames", "5", "--steps", "2"]
+    from loongforge.diffusion.cli import main  # in process: the command line parsed as a user's would be
+
+    assert main(["generate", str(run), *args, "--image", str(tmp_path / "first.png"), "--out", str(out)]) == 0
+    with av.open(str(out)) as c:
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
+    capsys.readouterr()
+    assert main(["generate", str(run), *args, "--out", str(tmp_path / "b.mp4")]) == 2
+    assert "image-to-video run (model.image_dim): pass --image" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_image_to_video_sampling_holds_the_first_frame():
     """TI2V sampling: the conditioning image's latents stay the first latent frame at every step
     (the model sees them at time 0), the other frames are sampled."""
@@ -255,7 +400,7 @@ def test_flow_matching_schedule():
         ("model.in_channels=8", "but model.in_channels=8"),
         ("checkpoint.load=/nonexistent/wan", "expected a diffusers transformer directory"),
         ("parallel.context_parallel_size=3", "must divide model.num_attention_heads=4"),
-        ("model.image_dim=32", "image-to-video training is not built yet"),
+        ("frozen.image_encoder=tiny", "only an image-to-video model (model.image_dim) takes one"),
         ("flow.first_frame_condition=1.5", "flow.first_frame_condition=1.5 must be in [0, 1]"),
     ],
 )

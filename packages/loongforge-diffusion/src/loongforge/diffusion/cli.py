@@ -18,6 +18,8 @@ EXAMPLES = """examples:
   loongforge-diffusion train run.yaml boundary_ratio=0.875 checkpoint.load=/models/Wan2.2-T2V-A14B-Diffusers   # both experts
   loongforge-diffusion generate runs/tiny-wan --prompt "a red square moving right" --out red.mp4
   loongforge-diffusion generate runs/ti2v --prompt "the square moves right" --image first.png --out clip.mp4
+  loongforge-diffusion train wan_i2v_tiny                      # Wan2.1 image-to-video demo (tiny CLIP image encoder)
+  loongforge-diffusion generate runs/tiny-wan-i2v --prompt "a red square moving right" --image first.png --out clip.mp4
   loongforge-diffusion convert runs/tiny-wan export/transformer    # diffusers WanTransformer3DModel directory
   loongforge-diffusion train qwen_image_tiny                   # Qwen-Image (MMDiT) on the demo's first frames
   loongforge-diffusion preprocess images/ latents/ --family qwen_image --vae /models/Qwen-Image --text-encoder /models/Qwen-Image --buckets 1024x1024x1
@@ -47,12 +49,23 @@ def parser() -> argparse.ArgumentParser:
         "--family", choices=["wan", "qwen_image"], default="wan", help="whose VAE and text states (qwen_image: images, 1-frame buckets)"
     )
     pp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the encoders' dtype")
+    pp.add_argument(
+        "--image-encoder",
+        default=None,
+        help="Wan2.1 image-to-video: a CLIP vision encoder (a Wan I2V pipeline directory, or tiny); also stores each sample's "
+        "condition latents and first-frame CLIP features",
+    )
     g = sub.add_parser("generate", help="a video (.mp4) or image (.png) from a trained run", **fmt)
     g.add_argument("run_dir")
     g.add_argument("--prompt", required=True)
     g.add_argument("--out", required=True, help="a new .mp4 or .png file")
     g.add_argument("--negative-prompt", default="")
-    g.add_argument("--image", default=None, help="image-to-video (Wan2.2 TI2V): the first frame, held clean while the rest is sampled")
+    g.add_argument(
+        "--image",
+        default=None,
+        help="image-to-video: the first frame (Wan2.1 I2V runs: required, the pipeline's mask, condition latents and CLIP features; "
+        "Wan2.2 TI2V: held clean while the rest is sampled)",
+    )
     g.add_argument("--frames", type=int, default=9, help="4k + 1 frames (1 for an image)")
     g.add_argument("--height", type=int, default=64)
     g.add_argument("--width", type=int, default=64)
@@ -96,6 +109,7 @@ def main(argv: list[str]) -> int:
             on_bad_sample=args.on_bad_sample,
             dtype=getattr(torch, args.dtype),
             family=args.family,
+            image_spec=args.image_encoder,
         )
         print(json.dumps(summary))
         return 0

@@ -40,6 +40,9 @@ class FrozenConfig:
 
     vae: str = "tiny"  # AutoencoderKLWan
     text_encoder: str = "tiny"  # UMT5EncoderModel + its tokenizer
+    # Wan2.1 image-to-video (model.image_dim set): the CLIPVisionModel + CLIPImageProcessor (a Wan
+    # I2V pipeline directory has both), or "tiny"; None: text-to-video, no image encoder
+    image_encoder: Optional[str] = None
     fps: float = 16.0  # preprocessing samples videos at this frame rate
     buckets: List[str] = field(default_factory=lambda: ["64x64x9"])  # HxWxF preprocessing buckets (F = 4k + 1)
 

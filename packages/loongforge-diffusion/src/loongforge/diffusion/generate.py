@@ -8,6 +8,12 @@ then the run's frozen VAE decodes the latents. With `flow.sampling_shift: dynami
 the scheduler is built as the published Qwen/Qwen-Image scheduler_config.json builds it
 (`use_dynamic_shifting`, exponential time shift, `shift_terminal`) and gets QwenImagePipeline's
 sigmas and mu from the generated image's token count (`set_schedule`).
+
+Wan2.1 image-to-video runs (`model.image_dim`) need `--image`: it is fitted to the frame
+(`resize_crop`, as preprocessing fits training videos) and conditions every step as
+`WanImageToVideoPipeline` does: the model's input is the latents concatenated with the
+first-frame mask and the VAE latents of the image followed by zeros (`i2v_condition`), and the
+image's CLIP features go to every cross-attention, for the prompt and the negative prompt alike.
 """
 
 from __future__ import annotations
@@ -83,13 +89,39 @@ def latent_shape(vae, channels: int, frames: int, height: int, width: int, patch
     return channels, (frames - 1) // ts + 1, height // ss, width // ss
 
 
+def i2v_condition(vae, image: torch.Tensor, frames: int, temporal: int) -> torch.Tensor:
+    """Wan2.1 image-to-video's condition [temporal + C, F', h, w] of an image [3, H, W] in [-1, 1]
+    for a video of `frames` frames: the first-frame mask and the normalized VAE latents of the
+    image followed by zeros, as `WanImageToVideoPipeline.prepare_latents` returns them."""
+    from loongforge.diffusion.data import condition_video, encode_video, first_frame_mask
+
+    video = condition_video(image[:, None].expand(-1, frames, -1, -1))
+    latents = encode_video(vae, video).float()
+    _, f, h, w = latents.shape
+    return torch.cat([first_frame_mask(f, h, w, temporal).to(latents.device), latents])
+
+
 @torch.no_grad()
 def sample_latents(
-    model, cond: torch.Tensor, uncond: torch.Tensor, shape, steps: int, guidance: float, scheduler, generator, device, first_frame=None
+    model,
+    cond: torch.Tensor,
+    uncond: torch.Tensor,
+    shape,
+    steps: int,
+    guidance: float,
+    scheduler,
+    generator,
+    device,
+    first_frame=None,
+    condition=None,
+    image_embeds=None,
 ):
     """Denoise Gaussian latents of `shape` in `steps` scheduler steps; cond / uncond: [1, L, D].
     `first_frame` [channels, 1, h, w]: the latents of a conditioning image, held as the first
-    latent frame at time 0 (Wan2.2 TI2V's image-to-video, as WanPipeline's expand_timesteps)."""
+    latent frame at time 0 (Wan2.2 TI2V's image-to-video, as WanPipeline's expand_timesteps).
+    `condition` [mask + channels, F', h, w] and `image_embeds` [1, tokens, image_dim]: Wan2.1
+    image-to-video's (`i2v_condition`, CLIP features), concatenated to the latents on the channel
+    axis and attended to at every step (`WanImageToVideoPipeline.__call__`)."""
     latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(device)[None]
     _, f, h, w = shape
     pt, ph, pw = model.cfg.patch_size
@@ -101,9 +133,10 @@ def sample_latents(
             per_token = torch.full((f // pt, h // ph, w // pw), float(t), device=device)
             per_token[0] = 0.0
             ts = per_token.flatten()[None]
-        pred = predict(model, latents, ts, cond)
+        x = latents if condition is None else torch.cat([latents, condition[None].to(latents)], dim=1)
+        pred = predict(model, x, ts, cond, image_embeds)
         if guidance > 1.0:  # classifier-free guidance, as WanPipeline applies it
-            base = predict(model, latents, ts, uncond)
+            base = predict(model, x, ts, uncond, image_embeds)
             pred = base + guidance * (pred - base)
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
     if first_frame is not None:
@@ -190,6 +223,8 @@ def generate(
         raise UserError(f"--steps={steps} must be at least 1 and --guidance={guidance} at least 0")
     cfg, state = read_trained(run_dir, ema, what="generate from")
     fam = family(cfg)
+    if getattr(cfg.model, "image_dim", None) is not None and image is None:
+        raise UserError(f"{run_dir} is an image-to-video run (model.image_dim): pass --image")
     if fam == "qwen_image" and (frames != 1 or image is not None):
         raise UserError("a Qwen-Image run generates images: pass --frames 1 (and no --image) and name a .png")
     if not (run_dir / FROZEN).is_file():
@@ -209,8 +244,23 @@ def generate(
         shape = latent_shape(vae, cfg.model.in_channels // p**2, 1, height, width, (1, p, p))
         latents = sample_image_latents(model, *texts, shape, steps, guidance, sched, g, device)
         return _write_decoded(vae, latents, out, fps)
-    shape = latent_shape(vae, cfg.model.in_channels, frames, height, width, cfg.model.patch_size)
+    i2v = cfg.model.image_dim is not None
+    channels = cfg.model.out_channels if i2v else cfg.model.in_channels
+    shape = latent_shape(vae, channels, frames, height, width, cfg.model.patch_size)
     cond, uncond = (pad_text([t], cfg.data.text_len) for t in texts)
+    if i2v:  # Wan2.1 image-to-video: mask + condition latents beside the latents, CLIP features attended
+        from loongforge.diffusion.data import encode_image, frame_image, load_image_encoder, read_image, resize_crop
+
+        if not Path(image).is_file():
+            raise UserError(f"--image={image}: no such file")
+        if "image_encoder" not in frozen:
+            raise UserError(f"{run_dir}: {FROZEN} names no image encoder")
+        fitted = resize_crop(read_image(Path(image)), height, width)[:, 0]
+        condition = i2v_condition(vae, fitted.to(device), frames, cfg.model.in_channels - 2 * channels)
+        processor, clip = load_image_encoder(frozen["image_encoder"])
+        embeds = encode_image(processor, clip.to(device), frame_image(fitted))[None].float()
+        latents = sample_latents(model, cond, uncond, shape, steps, guidance, sched, g, device, condition=condition, image_embeds=embeds)
+        return _write_decoded(vae, latents, out, fps)
     first = None
     if image is not None:  # image-to-video: the image, fitted to the frame, as the first latent frame
         from loongforge.diffusion.data import encode_video, read_image, resize_crop

@@ -20,7 +20,7 @@ from loongforge.core.train.run_dir import prepare_run_dir, run_identity, start_r
 from loongforge.core.train.trainer import Trainer
 
 EMPTY_TEXT = "empty_text.safetensors"  # the empty prompt's text states: caption dropout and guidance
-FROZEN = "frozen.json"  # what generation loads: {"vae": dir, "text_encoder": dir}
+FROZEN = "frozen.json"  # what generation loads: {"vae": dir, "text_encoder": dir, and I2V's "image_encoder": dir}
 
 
 def latent_root(cfg, run_dir: Path) -> Path:
@@ -29,6 +29,20 @@ def latent_root(cfg, run_dir: Path) -> Path:
 
 def family(cfg) -> str:
     return "qwen_image" if cfg.recipe in ("diffusion.qwen_image", "qwen_image") else "wan"
+
+
+def image_to_video(cfg) -> bool:
+    """Wan2.1 image-to-video: the transformer takes CLIP image features (model.image_dim)."""
+    return getattr(cfg.model, "image_dim", None) is not None
+
+
+def identity_frozen(cfg) -> dict:
+    """The frozen section as the run's identity reads it: text-to-video runs without the image
+    encoder's key, so their identity is what it was before image-to-video."""
+    frozen = dataclasses.asdict(cfg.frozen)
+    if frozen.get("image_encoder") is None:
+        frozen.pop("image_encoder", None)
+    return frozen
 
 
 def validate(cfg) -> None:
@@ -55,18 +69,21 @@ def validate_qwen_image(cfg) -> None:
         ("parallel.context_parallel_size", cfg.parallel.context_parallel_size, 1),
         ("boundary_ratio", cfg.boundary_ratio, None),
         ("flow.first_frame_condition", cfg.flow.first_frame_condition, 0.0),
+        ("frozen.image_encoder", cfg.frozen.image_encoder, None),
     ):
         if value != default:
             raise UserError(f"{what}={value}: not supported for Qwen-Image; set it to {default}")
 
 
 def validate_wan(cfg) -> None:
-    if cfg.model.image_dim is not None:
-        raise UserError(
-            "model.image_dim: image-to-video training is not built yet (the I2V transformer loads, converts and runs through load_model)"
-        )
     cfg.model.check()
     cp = cfg.parallel.context_parallel_size
+    if image_to_video(cfg):
+        validate_i2v(cfg)
+    elif cfg.frozen.image_encoder is not None:
+        raise UserError(
+            f"frozen.image_encoder={cfg.frozen.image_encoder}: only an image-to-video model (model.image_dim) takes one; set it to null"
+        )
     if cfg.boundary_ratio is not None:
         if not 0 < cfg.boundary_ratio < 1:
             raise UserError(
@@ -82,6 +99,25 @@ def validate_wan(cfg) -> None:
         raise UserError(f"parallel.context_parallel_size={cp} must divide model.num_attention_heads={cfg.model.num_attention_heads}")
     if cfg.data.text_len < 1:
         raise UserError(f"data.text_len={cfg.data.text_len} must be at least 1 (Wan: 512)")
+
+
+def validate_i2v(cfg) -> None:
+    """Wan2.1 image-to-video: an image encoder, and none of the features it is not built with."""
+    if cfg.frozen.image_encoder is None:
+        raise UserError(
+            "model.image_dim (image-to-video) needs frozen.image_encoder: a Wan I2V pipeline / CLIPVisionModel directory, or tiny"
+        )
+    for what, value, default in (
+        ("boundary_ratio", cfg.boundary_ratio, None),
+        ("parallel.context_parallel_size", cfg.parallel.context_parallel_size, 1),
+        ("flow.first_frame_condition", cfg.flow.first_frame_condition, 0.0),
+    ):
+        if value != default:
+            raise UserError(f"{what}={value}: not supported for image-to-video (model.image_dim); set it to {default}")
+    if cfg.data.text_len != 512:  # diffusers' WanTransformer3DModel splits the image features off a 512-token text
+        raise UserError(
+            f"data.text_len={cfg.data.text_len}: image-to-video (model.image_dim) trains on Wan's 512 text tokens; set it to 512"
+        )
 
 
 def prepare_data(cfg, run_dir: Path) -> None:
@@ -104,8 +140,10 @@ def prepare_data(cfg, run_dir: Path) -> None:
             buckets=[f"{d.height}x{d.width}x{frames}"],
             fps=None,
             family=fam,
+            image_spec=cfg.frozen.image_encoder if image_to_video(cfg) else None,
         )
-    frozen = save_frozen(cfg.frozen.vae, cfg.frozen.text_encoder, run_dir / "frozen", family=fam)
+    image_spec = cfg.frozen.image_encoder if image_to_video(cfg) else None
+    frozen = save_frozen(cfg.frozen.vae, cfg.frozen.text_encoder, run_dir / "frozen", family=fam, image_spec=image_spec)
     write_durable(run_dir / FROZEN, json.dumps(frozen, indent=1))
     if not (run_dir / EMPTY_TEXT).is_file():
         from safetensors.torch import save_file
@@ -133,7 +171,7 @@ def run(cfg) -> dict:
         boundary_ratio=cfg.boundary_ratio,
         flow=cfg.flow,
         data=cfg.data,
-        frozen=cfg.frozen,
+        frozen=identity_frozen(cfg),
         load=cfg.checkpoint.load,
     )
     start = prepare_run_dir(cfg.checkpoint, identity)

@@ -6,6 +6,16 @@ dropout from a generator seeded by the micro-batch's first position, so a resume
 data-parallel layout draw what one uninterrupted process would. The loss is each sample's mean
 squared velocity error times its sigma weight, averaged over the global batch's samples (each
 sample counts once, whatever its size, as the published recipes average).
+
+Wan2.1 image-to-video (`model.image_dim`): each sample's transformer input is its noisy latents
+concatenated on the channel axis with its condition, the first-frame mask (`first_frame_mask`,
+model.in_channels - 2 x latent channels of them, 4 for Wan's VAE) and its condition latents
+(the VAE latents of its first frame followed by zeros, from preprocessing), as
+`WanImageToVideoPipeline` builds `torch.cat([latents, condition], dim=1)`; its first frame's CLIP
+features go to the cross-attentions (`encoder_hidden_states_image`). The condition channels are
+not noised and not predicted: the loss is the flow-matching loss of the latents alone (as
+DiffSynth-Studio's Wan training conditions I2V: `WanVideoUnit_ImageEmbedderVAE` /
+`WanVideoUnit_ImageEmbedderCLIP` on the training video's first frame, the condition clean).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from loongforge.core.data.mixture import DatasetMixture
 from loongforge.core.errors import UserError
 from loongforge.core.parallel.ulysses import local_range
 from loongforge.core.train.task import TrainingTask
+from loongforge.diffusion.data.encoders import first_frame_mask
 from loongforge.diffusion.flow_matching import loss_weight, noised, sample_u, train_sigma
 from loongforge.diffusion.models.wan import WanDiT, WanExperts, patchify
 
@@ -61,7 +72,9 @@ class WanTask(TrainingTask):
         """The latents and text states fit the model (one-line errors naming the mismatch)."""
         c, root = self.cfg.model, self.cfg.data.root
         channels, width = dataset.meta["latent_channels"], dataset.meta["text_dim"]
-        if channels != c.in_channels or width != c.text_dim:
+        if c.image_dim is not None:
+            self.check_i2v_data(dataset)
+        elif channels != c.in_channels or width != c.text_dim:
             raise UserError(
                 f"{root}: latents of {channels} channels and text states of width {width}, "
                 f"but model.in_channels={c.in_channels} and model.text_dim={c.text_dim}"
@@ -75,16 +88,37 @@ class WanTask(TrainingTask):
                 "preprocess with buckets whose sides divide by the VAE's stride times the patch"
             )
 
+    def check_i2v_data(self, dataset) -> None:
+        """Image-to-video: latents and condition latents of the model's out_channels, mask
+        channels (the rest of in_channels), CLIP features of width model.image_dim."""
+        c, root, meta = self.cfg.model, self.cfg.data.root, dataset.meta
+        channels, width, image = meta["latent_channels"], meta["text_dim"], meta.get("image_dim")
+        if image is None:
+            raise UserError(
+                f"{root}: no image features; model.image_dim (image-to-video) trains on a preprocessing output with an image encoder "
+                "(preprocess --image-encoder, or frozen.image_encoder with data.root=demo)"
+            )
+        if channels != c.out_channels or c.in_channels - 2 * channels < 1 or width != c.text_dim or image != c.image_dim:
+            raise UserError(
+                f"{root}: latents of {channels} channels, text states of width {width} and image features of width {image}, but "
+                f"model.in_channels={c.in_channels} (image-to-video: 2 x latent channels + 4 mask channels), "
+                f"model.out_channels={c.out_channels}, model.text_dim={c.text_dim} and model.image_dim={c.image_dim}"
+            )
+
     def build_model(self) -> torch.nn.Module:
         return build_transformer(self.cfg, self.ops).to(self.device)
 
     def micro_batch(self, positions: list[int]) -> dict:
         items = [self.dataset.get(self.order.index(p)[1]) for p in positions]
-        return {
+        mb = {
             "latents": [it["latents"].to(self.device) for it in items],
             "text": [it["text"] for it in items],
             "seed": zlib.crc32(f"flow:{self.cfg.data.seed}:{positions[0]}".encode()),
         }
+        if getattr(self.cfg.model, "image_dim", None) is not None:  # image-to-video: the condition latents and CLIP features
+            mb["condition"] = [it["condition"].to(self.device) for it in items]
+            mb["image"] = [it["image"] for it in items]
+        return mb
 
     def batches(self, start_step: int):
         t = self.cfg.train
@@ -115,7 +149,11 @@ class WanTask(TrainingTask):
                 x_t = torch.cat([x0[:, :1], x_t[:, 1:]], dim=1)
             inputs.append(x_t)
             targets.append(v)
-        pred, target, owner, lens, keep = self.predict_rows(model, inputs, targets, sigma, texts, cond)
+        images = None
+        if "condition" in mb:  # image-to-video: [noisy latents, mask, condition latents] on the channel axis
+            inputs = [torch.cat([x_t, self.mask(x_t), c.to(x_t.dtype)]) for x_t, c in zip(inputs, mb["condition"])]
+            images = torch.stack(mb["image"]).to(self.device)
+        pred, target, owner, lens, keep = self.predict_rows(model, inputs, targets, sigma, texts, cond, images)
         per_token = (pred.float() - target.float()).square().mean(-1)
         if keep is not None:
             per_token = per_token * keep
@@ -124,14 +162,22 @@ class WanTask(TrainingTask):
         first = self.cp_group is None or dist.get_rank(self.cp_group) == 0  # each sample counted once
         return weighted.sum(), torch.tensor(float(n if first else 0), device=self.device), {}
 
+    def mask(self, latents: torch.Tensor) -> torch.Tensor:
+        """Image-to-video: the first-frame mask channels of latents [C, F', h, w]
+        (`WanImageToVideoPipeline.prepare_latents`' `mask_lat_size`)."""
+        _, f, h, w = latents.shape
+        temporal = self.cfg.model.in_channels - 2 * latents.shape[0]
+        return first_frame_mask(f, h, w, temporal, latents.dtype).to(latents.device)
+
     def token_counts(self, latents: list[torch.Tensor]) -> list[int]:
         """Each sample's patch-token count (what the size-dependent shift reads)."""
         pt, ph, pw = self.cfg.model.patch_size
         return [(f // pt) * (h // ph) * (w // pw) for _, f, h, w in (x.shape for x in latents)]
 
-    def predict_rows(self, model, inputs, targets, sigma, texts, cond):
+    def predict_rows(self, model, inputs, targets, sigma, texts, cond, images=None):
         """The family's part of the loss: (prediction rows, target rows, each row's sample, each
-        sample's loss-token count, per-row loss weights or None) of this rank's tokens."""
+        sample's loss-token count, per-row loss weights or None) of this rank's tokens. images:
+        image-to-video's CLIP features [samples, tokens, image_dim], or None."""
         flow = self.cfg.flow
         context = pad_text(texts, self.cfg.data.text_len).to(self.device)
         patches, pack = patchify(inputs, self.cfg.model)
@@ -144,7 +190,10 @@ class WanTask(TrainingTask):
             keep = (offset >= clean[pack.sample_of_token]).float()
             times = times[pack.sample_of_token] * keep
             lens = lens - clean
-        pred = model(patches, pack, times, context, self.cp_group)
+        if images is None:
+            pred = model(patches, pack, times, context, self.cp_group)
+        else:
+            pred = model(patches, pack, times, context, self.cp_group, image_context=images)
         target, _ = patchify(targets, self.cfg.model, as_output=True)
         start, end = 0, target.shape[0]
         if self.cp_group is not None:  # this rank's tokens; their errors sum with the others' of its group
@@ -188,7 +237,7 @@ class QwenImageTask(WanTask):
         p = self.cfg.model.patch_size
         return [(x.shape[2] // p) * (x.shape[3] // p) for x in latents]
 
-    def predict_rows(self, model, inputs, targets, sigma, texts, cond):
+    def predict_rows(self, model, inputs, targets, sigma, texts, cond, images=None):
         from loongforge.diffusion.models.qwen_image import JointPack, pack_latents
 
         p = self.cfg.model.patch_size

@@ -12,7 +12,9 @@ float32 [3, F, H, W] in [-1, 1].
 UMT5 encoder, or a Qwen2.5-VL model, and its tokenizer), from a directory or "tiny" (random, seed 0;
 `family="qwen_image"` for Qwen-Image's); `encode_video` / `decode_latents` with the pipelines'
 per-channel latent normalization; `encode_text` as `WanPipeline._get_t5_prompt_embeds` (or
-`QwenImagePipeline._get_qwen_prompt_embeds`) before padding; `save_frozen` writes tiny encoders
+`QwenImagePipeline._get_qwen_prompt_embeds`) before padding; `load_image_encoder` / `encode_image`
+(Wan2.1 image-to-video's CLIP features), `condition_video` and `first_frame_mask` (its condition
+channels, as `WanImageToVideoPipeline.prepare_latents` builds them); `save_frozen` writes tiny encoders
 where a later process can load them.
 
 `preprocess` encodes a captioned folder (captions.jsonl or metadata.csv) into safetensors shards,
@@ -25,6 +27,7 @@ from loongforge.diffusion.data.demo_media import demo_entries, shape_centre, wri
 from loongforge.diffusion.data.encoders import (
     DEFAULT_MAX_LENGTH,
     FAMILIES,
+    TINY_CLIP_CONFIG,
     TINY_QWEN_TEXT_CONFIG,
     TINY_QWEN_VAE_CONFIG,
     TINY_TEXT_CONFIG,
@@ -32,9 +35,15 @@ from loongforge.diffusion.data.encoders import (
     check_family,
     check_text_encoder,
     clean_caption,
+    condition_video,
     decode_latents,
+    encode_image,
     encode_text,
     encode_video,
+    first_frame_mask,
+    frame_image,
+    image_dim,
+    load_image_encoder,
     load_text_encoder,
     load_vae,
     save_frozen,
@@ -51,6 +60,7 @@ __all__ = [
     "FAMILIES",
     "FORMAT",
     "LatentDataset",
+    "TINY_CLIP_CONFIG",
     "TINY_QWEN_TEXT_CONFIG",
     "TINY_QWEN_VAE_CONFIG",
     "TINY_TEXT_CONFIG",
@@ -60,11 +70,17 @@ __all__ = [
     "check_text_encoder",
     "choose_bucket",
     "clean_caption",
+    "condition_video",
     "decode_frames",
     "decode_latents",
     "demo_entries",
+    "encode_image",
     "encode_text",
     "encode_video",
+    "first_frame_mask",
+    "frame_image",
+    "image_dim",
+    "load_image_encoder",
     "load_text_encoder",
     "load_vae",
     "parse_buckets",

@@ -24,6 +24,14 @@ A spec is a directory or "tiny":
   becomes latents [4, 1, 4, 4]) and a Qwen2_5_VLForConditionalGeneration of TINY_QWEN_TEXT_CONFIG
   (text hidden size 24, 2 layers, 2 heads, 1 KV head, head_dim 12, mrope_section [2, 2, 2]; a one-
   block vision tower of width 16) over the same shipped tiny tokenizer (vocabulary size from it).
+- Image encoder (Wan2.1 image-to-video only): a diffusers I2V pipeline directory (e.g.
+  Wan-AI/Wan2.1-I2V-14B-480P-Diffusers) with `image_encoder/` (a `CLIPVisionModel`) and
+  `image_processor/` (its `CLIPImageProcessor`), or a `CLIPVisionModel` directory holding its
+  preprocessor_config.json. "tiny" is a CLIPVisionModel of TINY_CLIP_CONFIG (hidden size 16, 2
+  layers, 2 heads, 32 x 32 images in 8 x 8 patches: 17 tokens) with a CLIPImageProcessor at 32
+  pixels (CLIP's mean / std). `encode_image` computes `WanImageToVideoPipeline.encode_image`: the
+  processor's pixels, the encoder's penultimate hidden states (`output_hidden_states=True`,
+  `hidden_states[-2]`).
 Tiny weights come from `torch.manual_seed(0)` (inside `torch.random.fork_rng`, so the caller's
 RNG is untouched): two calls give identical models. Every model is returned in eval mode with
 requires_grad False.
@@ -72,6 +80,14 @@ TINY_VAE_CONFIG = {
     "latents_std": [1.0, 1.0, 1.0, 1.0],
 }
 TINY_TEXT_CONFIG = {"d_model": 32, "num_layers": 2, "num_heads": 4, "d_kv": 8, "d_ff": 64}
+TINY_CLIP_CONFIG = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 32,
+    "patch_size": 8,
+}
 DEFAULT_MAX_LENGTH = 512  # Wan2.1's text length (WanPipeline.__call__'s max_sequence_length)
 
 FAMILIES = ("wan", "qwen_image")
@@ -399,17 +415,103 @@ def _encode_text_qwen(tokenizer, encoder, captions: list[str], max_length: int) 
     return [u[QWEN_PROMPT_DROP:][:max_length].to(dtype=encoder.dtype).clone() for u in rows]
 
 
+# ---- image encoder (Wan2.1 image-to-video) -------------------------------------------------------
+
+
+def image_encoder_dirs(spec) -> tuple[Path, Path]:
+    """(CLIPVisionModel directory, CLIPImageProcessor directory) of directory spec `spec`; a
+    UserError if none."""
+    p = Path(spec)
+    if (p / "image_encoder" / "config.json").is_file():
+        proc = p / "image_processor"
+        return p / "image_encoder", proc if proc.is_dir() else p / "image_encoder"
+    if (p / "config.json").is_file():
+        return p, p
+    raise UserError(
+        f"image encoder not found: {spec} (need a CLIPVisionModel directory with its preprocessor_config.json, a diffusers "
+        "Wan I2V pipeline directory with image_encoder/ and image_processor/, or 'tiny')"
+    )
+
+
+def load_image_encoder(spec: str, dtype=torch.float32):
+    """(CLIPImageProcessor, frozen CLIPVisionModel in `dtype` on the CPU) of `spec` (see the
+    module docstring)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    if str(spec) == TINY:
+        size = TINY_CLIP_CONFIG["image_size"]
+        processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            encoder = CLIPVisionModel(CLIPVisionConfig(**TINY_CLIP_CONFIG))
+        if dtype != encoder.dtype:
+            encoder = encoder.to(dtype)
+        return processor, _frozen(encoder)
+    enc_dir, proc_dir = image_encoder_dirs(spec)
+    try:
+        processor = CLIPImageProcessor.from_pretrained(str(proc_dir))
+    except Exception as e:  # transformers raises many types for unreadable files
+        raise UserError(f"cannot load the image processor from {proc_dir}: {_first_line(e)}") from None
+    try:
+        encoder = CLIPVisionModel.from_pretrained(str(enc_dir), **_transformers_dtype_kwarg(dtype))
+    except Exception as e:
+        raise UserError(f"cannot load the image encoder (CLIPVisionModel) from {enc_dir}: {_first_line(e)}") from None
+    return processor, _frozen(encoder)
+
+
+def image_dim(encoder) -> int:
+    """The width of the features `encode_image` returns (Wan2.1 I2V's CLIP ViT-H/14: 1280)."""
+    return int(encoder.config.hidden_size)
+
+
+def frame_image(frame: torch.Tensor):
+    """A float frame [3, H, W] in [-1, 1] (the VAE's input) as the PIL image it was read as."""
+    from PIL import Image
+
+    pixels = ((frame.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    return Image.fromarray(pixels)
+
+
+def encode_image(processor, encoder, image) -> torch.Tensor:
+    """The CLIP features [tokens, image_dim] of one image (a PIL image) in the encoder's dtype:
+    `WanImageToVideoPipeline.encode_image` (the processor's pixels, the penultimate hidden
+    states)."""
+    pixels = processor(images=image, return_tensors="pt").to(_device(encoder))
+    with torch.no_grad():
+        states = encoder(**pixels, output_hidden_states=True).hidden_states[-2]
+    return states[0].to(dtype=encoder.dtype).clone()
+
+
+def condition_video(video: torch.Tensor) -> torch.Tensor:
+    """The video the I2V condition latents encode: the first frame, then zeros (`video_condition`
+    of `WanImageToVideoPipeline.prepare_latents`), [3, F, H, W]."""
+    return torch.cat([video[:, :1], video.new_zeros(video.shape[0], video.shape[1] - 1, *video.shape[2:])], dim=1)
+
+
+def first_frame_mask(latent_frames: int, height: int, width: int, temporal: int = 4, dtype=torch.float32) -> torch.Tensor:
+    """The I2V mask [temporal, F', h, w]: `prepare_latents`' `mask_lat_size` (the first of the
+    4(F' - 1) + 1 frames kept, repeated `temporal` times, viewed as [F', temporal] and
+    transposed), i.e. ones on latent frame 0 and zeros after."""
+    frames = (latent_frames - 1) * temporal + 1
+    mask = torch.ones(1, frames, height, width, dtype=dtype)
+    mask[:, 1:] = 0
+    mask = torch.cat([mask[:, :1].repeat_interleave(temporal, dim=1), mask[:, 1:]], dim=1)
+    return mask.view(latent_frames, temporal, height, width).transpose(0, 1).contiguous()
+
+
 # ---- for a later process -------------------------------------------------------------------------
 
 
-def save_frozen(vae_spec: str, text_spec: str, out_dir, family: str = "wan") -> dict[str, str]:
+def save_frozen(vae_spec: str, text_spec: str, out_dir, family: str = "wan", image_spec: str | None = None) -> dict[str, str]:
     """What a later process (generation) loads: {"vae": spec, "text_encoder": spec}. A directory
     spec is recorded as its absolute path; a "tiny" one is written first, the VAE to
     `out_dir/vae` (`save_pretrained`), the text encoder and its tokenizer to `out_dir/text_encoder`
     and `out_dir/tokenizer`, and recorded as `out_dir/vae` and `out_dir` (a diffusers-pipeline-like
     directory that `load_vae` / `load_text_encoder` read). Each is written to a temporary sibling
     and renamed into place once complete. `family` picks the tiny models; the directories name
-    their classes in their configs, so later loads need no family."""
+    their classes in their configs, so later loads need no family. `image_spec` (Wan2.1 I2V): the
+    image encoder too, "image_encoder" (a tiny one written to `out_dir/image_encoder` and
+    `out_dir/image_processor`, recorded as `out_dir`)."""
     from loongforge.core.outputs import replaced_dir
 
     check_family(family)
@@ -434,4 +536,15 @@ def save_frozen(vae_spec: str, text_spec: str, out_dir, family: str = "wan") -> 
     else:
         text_encoder_dirs(text_spec)
         result["text_encoder"] = spec_key(text_spec)
+    if image_spec is not None and str(image_spec) == TINY:
+        out.mkdir(parents=True, exist_ok=True)
+        processor, encoder = load_image_encoder(TINY)
+        with replaced_dir(out / "image_encoder") as tmp:
+            encoder.save_pretrained(str(tmp))
+        with replaced_dir(out / "image_processor") as tmp:
+            processor.save_pretrained(str(tmp))
+        result["image_encoder"] = str(out.resolve())
+    elif image_spec is not None:
+        image_encoder_dirs(image_spec)
+        result["image_encoder"] = spec_key(image_spec)
     return result

@@ -42,6 +42,15 @@ Output layout:
     out/progress.json           {"settings", "entries_done", "shards", "samples", "bad",
                                  "complete"}
 
+Wan2.1 image-to-video (`image_spec`, a CLIP vision encoder: see `encoders`): each sample also
+gets its condition latents, the VAE latents of its first frame followed by zeros
+(`WanImageToVideoPipeline.prepare_latents`' `video_condition`, `encoders.condition_video`), and
+its first frame's CLIP features (`encoders.encode_image`, the penultimate hidden states of the
+frame as the VAE sees it), stored as `condition.{j}` [C, F', H', W'] and `image.{j}` [tokens,
+image_dim] beside the others; meta.json then records "image_encoder" and "image_dim" (and the
+settings "image_encoder", so a resumed run must use the same one). The mask channels are not
+stored: they follow from the latent shape (`encoders.first_frame_mask`).
+
 "family" is recorded (in meta.json and in the settings a resumed run must match) only when it is
 not "wan", so Wan outputs are byte-identical to those written before families existed and resume
 as before; a reader takes a missing "family" as "wan" (`LatentDataset.family`).
@@ -73,8 +82,13 @@ from loongforge.diffusion.data.encoders import (
     check_family,
     check_text_encoder,
     clean_caption,
+    condition_video,
+    encode_image,
     encode_text,
     encode_video,
+    frame_image,
+    image_dim,
+    load_image_encoder,
     load_text_encoder,
     load_vae,
     spec_key,
@@ -250,7 +264,7 @@ def _load(entry: Entry, source: Path, video_buckets: list[Bucket], image_buckets
     return resize_crop(frames, bucket.height, bucket.width), bucket
 
 
-def _settings(source: Path, list_file: Path, vae_spec, text_spec, buckets, fps, shard_size, dtype, max_length, family) -> dict:
+def _settings(source: Path, list_file: Path, vae_spec, text_spec, buckets, fps, shard_size, dtype, max_length, family, image_spec) -> dict:
     settings = {
         "format": FORMAT,
         "version": VERSION,
@@ -267,6 +281,8 @@ def _settings(source: Path, list_file: Path, vae_spec, text_spec, buckets, fps, 
     }
     if family != "wan":  # Wan outputs stay as they were before families (see the module docstring)
         settings["family"] = family
+    if image_spec is not None:  # likewise text-to-video outputs before image-to-video
+        settings["image_encoder"] = spec_key(image_spec)
     return settings
 
 
@@ -293,10 +309,12 @@ def preprocess(
     progress: bool = True,
     max_length: int = DEFAULT_MAX_LENGTH,
     family: str = "wan",
+    image_spec: str | None = None,
 ) -> dict:
     """Encode `source` into `out` (see the module docstring). Returns a summary: {"out",
     "entries", "samples", "shards", "bad": {reason: count}}. `buckets`: Bucket objects or
-    "HxWxF" strings; `family`: "wan" or "qwen_image"."""
+    "HxWxF" strings; `family`: "wan" or "qwen_image"; `image_spec`: a CLIP image encoder (Wan2.1
+    image-to-video: condition latents and image features too), or None."""
     from tqdm import tqdm
 
     if on_bad_sample not in ("skip", "error"):
@@ -306,6 +324,8 @@ def preprocess(
     if fps is not None and not fps > 0:
         raise UserError(f"fps must be positive (or None: every frame), got {fps!r}")
     check_family(family)
+    if image_spec is not None and family != "wan":
+        raise UserError(f"an image encoder (image-to-video) is Wan2.1's; family {family!r} takes none")
     buckets = parse_buckets(buckets)
     check_family_buckets(buckets, family)
     source, out = Path(source), Path(out)
@@ -317,18 +337,19 @@ def preprocess(
     if not image_buckets and any(e.kind == "image" for e in entries):
         first = next(e for e in entries if e.kind == "image")
         raise UserError(f"{list_file}:{first.line}: {first.path} is an image, and no bucket has 1 frame (add one, e.g. 480x832x1)")
-    settings = _settings(source, list_file, vae_spec, text_spec, buckets, fps, shard_size, dtype, max_length, family)
+    settings = _settings(source, list_file, vae_spec, text_spec, buckets, fps, shard_size, dtype, max_length, family, image_spec)
     state = _existing_state(out, settings)
     if state is not None and state["complete"]:
         return _summary(out, state, len(entries))
     vae = load_vae(vae_spec, dtype, family=family)  # before anything is written: a bad spec leaves `out` as it was
     tokenizer, encoder = load_text_encoder(text_spec, dtype, family=family)
     check_text_encoder(encoder, family)
+    clip = load_image_encoder(image_spec, dtype) if image_spec is not None else None
     state = _begin(out, settings, state)
     bad: dict[str, int] = dict(state["bad"])
     shards: list[dict] = list(state["shards"])
     samples = int(state["samples"])
-    buffer: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
+    buffer: list[tuple[torch.Tensor, torch.Tensor, dict, dict]] = []
 
     def flush(entries_done: int) -> None:
         nonlocal samples
@@ -353,6 +374,10 @@ def preprocess(
                 if len(text) == 0:
                     raise _Bad("empty_caption", f"{entry.path}: the caption has no tokens ({list_file.name} line {entry.line})")
                 latents = encode_video(vae, video.to(dtype))
+                extra = {}
+                if clip is not None:  # image-to-video: the first frame's condition latents and CLIP features
+                    extra["condition"] = encode_video(vae, condition_video(video).to(dtype))
+                    extra["image"] = encode_image(*clip, frame_image(video[:, 0]))
             except _Bad as e:
                 if on_bad_sample == "error":
                     raise UserError(f"bad sample {entry.path} ({e.reason}): {e}") from None
@@ -367,7 +392,7 @@ def preprocess(
                     "latent_shape": list(latents.shape),
                     "text_length": int(text.shape[0]),
                 }
-                buffer.append((latents, text, info))
+                buffer.append((latents, text, info, extra))
                 if len(buffer) == shard_size:
                     flush(i + 1)
             bar.update(1)
@@ -393,6 +418,9 @@ def preprocess(
     }
     if "family" in settings:
         meta["family"] = settings["family"]
+    if clip is not None:
+        meta["image_encoder"] = settings["image_encoder"]
+        meta["image_dim"] = image_dim(clip[1])
     _write_json(out / "meta.json", meta)
     state["complete"] = True
     _write_json(out / "progress.json", state)
@@ -407,11 +435,13 @@ def _write_shard(directory: Path, name: str, buffer) -> None:
     from safetensors.torch import save
 
     tensors = {}
-    for j, (latents, text, _) in enumerate(buffer):
+    for j, (latents, text, _, extra) in enumerate(buffer):
         tensors[f"latents.{j}"] = latents.detach().to("cpu").contiguous()
         tensors[f"text.{j}"] = text.detach().to("cpu").contiguous()
+        for key, value in extra.items():  # image-to-video: condition.{j}, image.{j}
+            tensors[f"{key}.{j}"] = value.detach().to("cpu").contiguous()
     write_durable(directory / f"{name}.safetensors", save(tensors, metadata={"format": FORMAT}))
-    _write_json(directory / f"{name}.json", {"samples": [info for _, _, info in buffer]})
+    _write_json(directory / f"{name}.json", {"samples": [info for _, _, info, _ in buffer]})
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -482,15 +512,21 @@ class LatentDataset:
         return self._open[2]
 
     def get(self, i: int) -> dict:
-        """{"latents": float32 [C, F, H, W], "text": float32 [L, D], "caption": str} of sample i."""
+        """{"latents": float32 [C, F, H, W], "text": float32 [L, D], "caption": str} of sample i;
+        an image-to-video output's also "condition" float32 [C, F, H, W] and "image" float32
+        [tokens, image_dim]."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         name, j = self._index[i]
         shard = self._shard(name)
-        return {
+        item = {
             "latents": shard.get_tensor(f"latents.{j}").float(),
             "text": shard.get_tensor(f"text.{j}").float(),
             "caption": self._info[i]["caption"],
         }
+        if "image_dim" in self.meta:
+            item["condition"] = shard.get_tensor(f"condition.{j}").float()
+            item["image"] = shard.get_tensor(f"image.{j}").float()
+        return item
 
     __getitem__ = get
