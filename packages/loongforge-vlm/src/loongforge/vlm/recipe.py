@@ -178,26 +178,29 @@ def processor_config(model: VLMConfig, image: dict):
     )
 
 
-def sample_encoder(model: VLMConfig, tok, image: dict, max_length: int):
-    """The architecture's sample encoder under a run's `data.image` settings (a dict; LLaVA-OneVision
-    reads its `video_frames`, the default where a run written before it has none)."""
-    from loongforge.vlm.data import LlavaSampleEncoder, VisionSampleEncoder
+def llava_video_frames(image: dict) -> int:
+    """LLaVA-OneVision's frames per video under a run's `data.image` settings (the default where a
+    run written before the key has none)."""
     from loongforge.vlm.data.llava import LLAVA_OV_VIDEO_FRAMES
+
+    return image.get("video_frames", LLAVA_OV_VIDEO_FRAMES)
+
+
+def sample_encoder(model: VLMConfig, tok, image: dict, max_length: int):
+    """The architecture's sample encoder under a run's `data.image` settings (a dict)."""
+    from loongforge.vlm.data import LlavaSampleEncoder, VisionSampleEncoder
 
     if vlm_arch(model.arch).grids:
         return VisionSampleEncoder(tok, processor_config(model, image), max_length=max_length)
-    frames = image.get("video_frames", LLAVA_OV_VIDEO_FRAMES)
-    return LlavaSampleEncoder(tok, model.tower, max_length=max_length, video_frames=frames)
+    return LlavaSampleEncoder(tok, model.tower, max_length=max_length, video_frames=llava_video_frames(image))
 
 
 def processing_identity(model: VLMConfig, image: dict) -> dict:
     """What of the image processing decides a run's samples (a prepacked directory records it;
     LLaVA-OneVision: the tower's config and the frames per video)."""
-    from loongforge.vlm.data.llava import LLAVA_OV_VIDEO_FRAMES
-
     if vlm_arch(model.arch).grids:
         return dataclasses.asdict(processor_config(model, image))
-    return {"llava_onevision": dataclasses.asdict(model.tower), "video_frames": image.get("video_frames", LLAVA_OV_VIDEO_FRAMES)}
+    return {"llava_onevision": dataclasses.asdict(model.tower), "video_frames": llava_video_frames(image)}
 
 
 def sample_sizes(sample: dict, model: VLMConfig) -> list:

@@ -264,14 +264,24 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
 # ---- text encoder --------------------------------------------------------------------------------
 
 
-def text_encoder_dirs(spec) -> tuple[Path, Path]:
-    """(encoder directory, tokenizer directory) of directory spec `spec`; a UserError if none."""
+def model_dirs(spec, model: str, inputs: str) -> tuple[Path, Path] | None:
+    """(model directory, its tokenizer / processor directory) of `spec`: a diffusers pipeline
+    directory's `model`/ and `inputs`/ (the model's own directory where `inputs`/ is missing), or a
+    model directory itself; None if it is neither."""
     p = Path(spec)
-    if (p / "text_encoder" / "config.json").is_file():
-        tok = p / "tokenizer"
-        return p / "text_encoder", tok if tok.is_dir() else p / "text_encoder"
+    if (p / model / "config.json").is_file():
+        aux = p / inputs
+        return p / model, aux if aux.is_dir() else p / model
     if (p / "config.json").is_file():
         return p, p
+    return None
+
+
+def text_encoder_dirs(spec) -> tuple[Path, Path]:
+    """(encoder directory, tokenizer directory) of directory spec `spec`; a UserError if none."""
+    dirs = model_dirs(spec, "text_encoder", "tokenizer")
+    if dirs is not None:
+        return dirs
     raise UserError(
         f"text encoder not found: {spec} (need a UMT5EncoderModel or Qwen2_5_VLForConditionalGeneration directory with its "
         "tokenizer, a diffusers pipeline directory with text_encoder/ and tokenizer/, or 'tiny')"
@@ -421,12 +431,9 @@ def _encode_text_qwen(tokenizer, encoder, captions: list[str], max_length: int) 
 def image_encoder_dirs(spec) -> tuple[Path, Path]:
     """(CLIPVisionModel directory, CLIPImageProcessor directory) of directory spec `spec`; a
     UserError if none."""
-    p = Path(spec)
-    if (p / "image_encoder" / "config.json").is_file():
-        proc = p / "image_processor"
-        return p / "image_encoder", proc if proc.is_dir() else p / "image_encoder"
-    if (p / "config.json").is_file():
-        return p, p
+    dirs = model_dirs(spec, "image_encoder", "image_processor")
+    if dirs is not None:
+        return dirs
     raise UserError(
         f"image encoder not found: {spec} (need a CLIPVisionModel directory with its preprocessor_config.json, a diffusers "
         "Wan I2V pipeline directory with image_encoder/ and image_processor/, or 'tiny')"

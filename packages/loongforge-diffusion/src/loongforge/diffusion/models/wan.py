@@ -183,13 +183,14 @@ class Pack:
     """Samples of any sizes as one row of patch tokens: `grids[i]` = sample i's (frames, height,
     width) in patches, `cu_seqlens` its token bounds. Under context parallelism (`cp_group`) this
     rank holds tokens [start, end) of the row between attentions: `sample_of_token` and
-    `local_cu` (each sample's bounds within the slice) describe those; otherwise the slice is the
-    whole row."""
+    `local_cu` (each sample's bounds within the slice) and `local_lens` (each sample's token count
+    in it, host ints) describe those; otherwise the slice is the whole row."""
 
     grids: list[tuple[int, int, int]]
     cu_seqlens: torch.Tensor
     sample_of_token: torch.Tensor
     local_cu: torch.Tensor
+    local_lens: list[int]
     start: int = 0
     end: int = 0
     cp_group: object = None
@@ -201,20 +202,13 @@ class Pack:
         cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
         end = sum(sizes) if end is None else end
         owner = torch.repeat_interleave(torch.arange(len(grids), device=device), lens)
-        return cls(list(grids), cu, owner[start:end], (cu - start).clamp(0, end - start), start, end, cp_group)
+        firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+        local = [max(0, min(a + n, end) - max(a, start)) for a, n in zip(firsts, sizes)]
+        return cls(list(grids), cu, owner[start:end], (cu - start).clamp(0, end - start), local, start, end, cp_group)
 
     @property
     def max_len(self) -> int:
         return max(f * h * w for f, h, w in self.grids)
-
-    def local_lens(self) -> list[int]:
-        """Each sample's token count within this rank's slice [start, end) (host ints)."""
-        out, a = [], 0
-        for f, h, w in self.grids:
-            b = a + f * h * w
-            out.append(max(0, min(b, self.end) - max(a, self.start)))
-            a = b
-        return out
 
     @property
     def total(self) -> int:
@@ -241,7 +235,7 @@ def _per_token(v: torch.Tensor, pack: Pack) -> torch.Tensor:
         return v
     if v.shape[0] == 1:
         return v
-    return sample_rows(v, pack.sample_of_token, pack.local_lens())
+    return sample_rows(v, pack.sample_of_token, pack.local_lens)
 
 
 def sample_rows(v: torch.Tensor, owner: torch.Tensor, lens: list[int]) -> torch.Tensor:
