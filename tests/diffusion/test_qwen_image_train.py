@@ -201,7 +201,7 @@ def test_demo_trains_generates_and_converts(tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("parallel.context_parallel_size=2", "parallel.context_parallel_size=2: not supported for Qwen-Image"),
+        ("parallel.context_parallel_size=3", "parallel.context_parallel_size=3 must divide model.num_attention_heads=4"),
         ("boundary_ratio=0.5", "boundary_ratio=0.5"),
     ],
 )

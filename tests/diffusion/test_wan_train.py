@@ -220,7 +220,7 @@ def test_i2v_config_checks():
     for changes, message in (
         ({"frozen__image_encoder": None}, "needs frozen.image_encoder"),
         ({"data__text_len": 32}, "data.text_len=32: image-to-video"),
-        ({"parallel__context_parallel_size": 2}, "parallel.context_parallel_size=2: not supported for image-to-video"),
+        ({"parallel__context_parallel_size": 3}, "parallel.context_parallel_size=3 must divide model.num_attention_heads=4"),
         ({"flow__first_frame_condition": 0.5}, "flow.first_frame_condition=0.5: not supported for image-to-video"),
     ):
         with pytest.raises(UserError, match=message):

@@ -63,10 +63,17 @@ def validate(cfg) -> None:
             raise UserError(f"checkpoint.load={load}: expected a diffusers transformer directory (config.json + weights)")
 
 
+def validate_context_parallel(cfg) -> None:
+    """Ulysses splits the attention heads over the context-parallel group."""
+    cp, heads = cfg.parallel.context_parallel_size, cfg.model.num_attention_heads
+    if cp > 1 and heads % cp:
+        raise UserError(f"parallel.context_parallel_size={cp} must divide model.num_attention_heads={heads}")
+
+
 def validate_qwen_image(cfg) -> None:
     cfg.model.check()
+    validate_context_parallel(cfg)
     for what, value, default in (
-        ("parallel.context_parallel_size", cfg.parallel.context_parallel_size, 1),
         ("boundary_ratio", cfg.boundary_ratio, None),
         ("flow.first_frame_condition", cfg.flow.first_frame_condition, 0.0),
         ("frozen.image_encoder", cfg.frozen.image_encoder, None),
@@ -77,7 +84,7 @@ def validate_qwen_image(cfg) -> None:
 
 def validate_wan(cfg) -> None:
     cfg.model.check()
-    cp = cfg.parallel.context_parallel_size
+    validate_context_parallel(cfg)
     if image_to_video(cfg):
         validate_i2v(cfg)
     elif cfg.frozen.image_encoder is not None:
@@ -89,14 +96,10 @@ def validate_wan(cfg) -> None:
             raise UserError(
                 f"boundary_ratio={cfg.boundary_ratio} must be in (0, 1) (Wan2.2 A14B text-to-video: 0.875), or null for one transformer"
             )
-        if cp > 1:
-            raise UserError("boundary_ratio (two experts) with parallel.context_parallel_size > 1 is not supported; set one of them back")
         if cfg.flow.first_frame_condition > 0:
             raise UserError(
                 "boundary_ratio (two experts) with flow.first_frame_condition > 0 is not supported (A14B routes by each sample's time)"
             )
-    if cp > 1 and cfg.model.num_attention_heads % cp:
-        raise UserError(f"parallel.context_parallel_size={cp} must divide model.num_attention_heads={cfg.model.num_attention_heads}")
     if cfg.data.text_len < 1:
         raise UserError(f"data.text_len={cfg.data.text_len} must be at least 1 (Wan: 512)")
 
@@ -109,7 +112,6 @@ def validate_i2v(cfg) -> None:
         )
     for what, value, default in (
         ("boundary_ratio", cfg.boundary_ratio, None),
-        ("parallel.context_parallel_size", cfg.parallel.context_parallel_size, 1),
         ("flow.first_frame_condition", cfg.flow.first_frame_condition, 0.0),
     ):
         if value != default:

@@ -3,9 +3,11 @@
 A micro-batch is `micro_batch_size` samples of any sizes, packed into one row of patch tokens
 (no padding to the largest sample). Each sample draws its own noise level, noise and caption
 dropout from a generator seeded by the micro-batch's first position, so a resumed run and any
-data-parallel layout draw what one uninterrupted process would. The loss is each sample's mean
-squared velocity error times its sigma weight, averaged over the global batch's samples (each
-sample counts once, whatever its size, as the published recipes average).
+data-parallel layout draw what one uninterrupted process would, and the ranks of a
+context-parallel group (which share each micro-batch) draw alike: a two-expert model routes a
+sample the same on each. The loss is each sample's mean squared velocity error times its sigma
+weight, averaged over the global batch's samples (each sample counts once, whatever its size, as
+the published recipes average).
 
 Wan2.1 image-to-video (`model.image_dim`): each sample's transformer input is its noisy latents
 concatenated on the channel axis with its condition, the first-frame mask (`first_frame_mask`,
@@ -33,7 +35,7 @@ from loongforge.core.parallel.ulysses import local_range
 from loongforge.core.train.task import TrainingTask
 from loongforge.diffusion.data.encoders import first_frame_mask
 from loongforge.diffusion.flow_matching import loss_weight, noised, sample_u, train_sigma
-from loongforge.diffusion.models.wan import WanDiT, WanExperts, patchify
+from loongforge.diffusion.models.wan import WanDiT, WanExperts, cp_rows, patchify
 
 
 def pad_text(states: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -195,10 +197,10 @@ class WanTask(TrainingTask):
         else:
             pred = model(patches, pack, times, context, self.cp_group, image_context=images)
         target, _ = patchify(targets, self.cfg.model, as_output=True)
-        start, end = 0, target.shape[0]
-        if self.cp_group is not None:  # this rank's tokens; their errors sum with the others' of its group
-            start, end = local_range(end, dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group))
-        return pred, target[start:end], pack.sample_of_token[start:end], lens, None if keep is None else keep[start:end]
+        if self.cp_group is None:
+            return pred, target, pack.sample_of_token, lens, keep
+        rows = cp_rows(model, pack, times, self.cp_group)  # this rank's tokens; their errors sum with the others' of its group
+        return pred, target[rows], pack.sample_of_token[rows], lens, None if keep is None else keep[rows]
 
     def initial_weights(self, model, optimizer, stack) -> int:
         """A diffusers WanTransformer3DModel directory (two-expert runs: a Wan2.2 pipeline
@@ -243,7 +245,10 @@ class QwenImageTask(WanTask):
         p = self.cfg.model.patch_size
         shapes = [(1, x.shape[2] // p, x.shape[3] // p) for x in inputs]
         pack = JointPack.of(shapes, [len(t) for t in texts], self.device)
-        pred = model(torch.cat([pack_latents(x, p) for x in inputs]), torch.cat(texts).to(self.device), sigma, pack)
+        pred = model(torch.cat([pack_latents(x, p) for x in inputs]), torch.cat(texts).to(self.device), sigma, pack, self.cp_group)
         target = torch.cat([pack_latents(x, p) for x in targets])
         lens = torch.tensor([f * h * w for f, h, w in shapes], device=self.device)
-        return pred, target, pack.img_sample, lens, None
+        start, end = 0, target.shape[0]
+        if self.cp_group is not None:  # this rank's image tokens
+            start, end = local_range(end, dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group))
+        return pred, target[start:end], pack.img_sample[start:end], lens, None

@@ -11,6 +11,10 @@ Samples of different sizes (and different text lengths) run packed: the image to
 sample in one row, the real text tokens in another, each sample's joint attention over its own
 text and image tokens only (op `packed_attention`). Padded text positions are dropped, which is
 what diffusers' text mask computes.
+
+Under Ulysses context parallelism each rank holds a slice of the image row and the whole (short)
+text stream: the joint attention gets every image token by all-to-all and the text tokens' share
+of the heads by a slice, and the text outputs' heads are gathered back onto every rank.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import torch.nn.functional as F
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import Row
 from loongforge.core.ops import OpTable
-from loongforge.diffusion.models.wan import MLP2, RMSWeight, diffusers_fields, sample_rows, timestep_features
+from loongforge.core.parallel.ulysses import gather_heads, head_share, heads_to_seq, padded_range, seq_to_heads
+from loongforge.diffusion.models.wan import MLP2, RMSWeight, diffusers_fields, lens_in, sample_rows, timestep_features
 from torch import nn
 
 UNSUPPORTED = ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
@@ -118,7 +123,10 @@ QWEN_IMAGE_TABLE = (
 @dataclass
 class JointPack:
     """Packed samples: `img_shapes[i]` = sample i's (frames, height, width) in patches and
-    `text_lens[i]` its real text tokens; joint rows are [text_i, image_i] per sample."""
+    `text_lens[i]` its real text tokens; joint rows are [text_i, image_i] per sample. Under
+    context parallelism (`cp_group`) this rank holds image tokens [start, end) of the image row
+    between attentions (`local_sample`: each one's sample, `local_lens`: each sample's count of
+    them) and every text token."""
 
     img_shapes: list[tuple[int, int, int]]
     text_lens: list[int]
@@ -127,28 +135,40 @@ class JointPack:
     cu_joint: torch.Tensor
     to_joint: torch.Tensor  # cat([text rows, image rows])[to_joint] is the joint order
     max_len: int
+    local_sample: torch.Tensor
+    local_lens: list[int]
+    start: int = 0
+    end: int = 0
+    cp_group: object = None
 
     @property
     def img_lens(self) -> list[int]:
         return [f * h * w for f, h, w in self.img_shapes]
 
     @classmethod
-    def of(cls, img_shapes, text_lens, device) -> "JointPack":
+    def of(cls, img_shapes, text_lens, device, start: int = 0, end: int | None = None, cp_group=None) -> "JointPack":
         img = [f * h * w for f, h, w in img_shapes]
+        end = sum(img) if end is None else end
         order, o_img, o_txt = [], sum(text_lens), 0
         for n_txt, n_img in zip(text_lens, img):
             order += list(range(o_txt, o_txt + n_txt)) + list(range(o_img, o_img + n_img))
             o_txt, o_img = o_txt + n_txt, o_img + n_img
         joint = [a + b for a, b in zip(text_lens, img)]
         ar = torch.arange(len(img), device=device)
+        img_sample = torch.repeat_interleave(ar, torch.tensor(img, device=device))
         return cls(
             list(img_shapes),
             list(text_lens),
-            torch.repeat_interleave(ar, torch.tensor(img, device=device)),
+            img_sample,
             torch.repeat_interleave(ar, torch.tensor(text_lens, device=device)),
             F.pad(torch.tensor(joint, device=device).cumsum(0), (1, 0)).to(torch.int32),
             torch.tensor(order, device=device),
             max(joint),
+            img_sample[start:end],
+            lens_in(img, start, end),
+            start,
+            end,
+            cp_group,
         )
 
 
@@ -179,14 +199,21 @@ class JointBlock(nn.Module):
         """temb_*: [samples, hidden]; angles: ((cos, sin) of the image rows, of the text rows)."""
         mi = self.img_mod(F.silu(temb_img)).chunk(6, dim=-1)
         mt = self.txt_mod(F.silu(temb_txt)).chunk(6, dim=-1)
-        gi, gt = pack.img_sample, pack.txt_sample
-        mi, mt = [sample_rows(m, gi, pack.img_lens) for m in mi], [sample_rows(m, gt, pack.text_lens) for m in mt]
+        gi, gt = pack.local_sample, pack.txt_sample
+        mi, mt = [sample_rows(m, gi, pack.local_lens) for m in mi], [sample_rows(m, gt, pack.text_lens) for m in mt]
         qi, ki, vi = self._qkv("img", img, (mi[0], mi[1]), *angles[0])
         qt, kt, vt = self._qkv("txt", txt, (mt[0], mt[1]), *angles[1])
+        g = pack.cp_group
+        if g is not None:  # every image token and every text token, for this rank's share of the heads
+            qi, ki, vi = (seq_to_heads(u, g) for u in (qi, ki, vi))
+            qt, kt, vt = (head_share(u, g) for u in (qt, kt, vt))
         joint = [torch.cat([t, i])[pack.to_joint] for t, i in ((qt, qi), (kt, ki), (vt, vi))]
         o = self.ops.packed_attention(*joint, pack.cu_joint, pack.cu_joint, None, pack.max_len, pack.max_len)
-        o = torch.empty_like(o).index_copy_(0, pack.to_joint, o).flatten(1)  # back to [text rows, image rows]
+        o = torch.empty_like(o).index_copy_(0, pack.to_joint, o)  # back to [text rows, image rows]
         ot, oi = o[: txt.shape[0]], o[txt.shape[0] :]
+        if g is not None:
+            ot, oi = gather_heads(ot, g), heads_to_seq(oi, g)
+        ot, oi = ot.flatten(1), oi.flatten(1)
         img = img + mi[2] * self.img_out(oi)
         txt = txt + mt[2] * self.txt_out(ot)
         h = _modulate(F.layer_norm(img, img.shape[-1:], eps=1e-6), mi[3], mi[4])
@@ -248,19 +275,29 @@ class QwenImageDiT(nn.Module):
             txt.append(torch.cat([torch.outer(tpos, inv) for inv in invs], dim=-1))
         return tuple((torch.cat(x).cos()[:, None], torch.cat(x).sin()[:, None]) for x in (img, txt))
 
-    def forward(self, img_tokens, txt_states, timestep, pack: JointPack):
-        img = self.img_in(img_tokens)
+    def forward(self, img_tokens, txt_states, timestep, pack: JointPack, cp_group=None):
+        """With `cp_group` (Ulysses context parallel) every rank of the group gets the whole
+        micro-batch and returns the rows of its `local_range` of the image tokens; each runs the
+        text stream whole."""
+        total = img_tokens.shape[0]
+        if cp_group is not None:  # the image row padded to a multiple of the group by one dummy sample (no text, time 0)
+            pad, start, end = padded_range(total, cp_group)
+            shapes, text_lens = list(pack.img_shapes), list(pack.text_lens)
+            if pad:
+                img_tokens = torch.cat([img_tokens, img_tokens.new_zeros(pad, img_tokens.shape[1])])
+                shapes, text_lens, timestep = shapes + [(1, 1, pad)], text_lens + [0], torch.cat([timestep, timestep.new_zeros(1)])
+            pack = JointPack.of(shapes, text_lens, img_tokens.device, start, end, cp_group)
+        img = self.img_in(img_tokens[pack.start : pack.end])
         temb = self.time_in(timestep_features(timestep * 1000, 256).to(img.dtype))
         txt = self.txt_in(self.ops.rms_norm(txt_states, self.txt_norm.weight, 1e-6))
-        angles = self.rope_angles(pack)
+        (cos, sin), text_angles = self.rope_angles(pack)
+        angles = ((cos[pack.start : pack.end], sin[pack.start : pack.end]), text_angles)
         for block in self.layers:
             img, txt = block(img, txt, temb, temb, angles, pack)
         scale, shift = self.out_mod(F.silu(temb)).chunk(2, dim=-1)
-        gi = pack.img_sample
-        img = _modulate(
-            F.layer_norm(img, img.shape[-1:], eps=1e-6), sample_rows(shift, gi, pack.img_lens), sample_rows(scale, gi, pack.img_lens)
-        )
-        return self.proj_out(img)
+        gi, lens = pack.local_sample, pack.local_lens
+        img = _modulate(F.layer_norm(img, img.shape[-1:], eps=1e-6), sample_rows(shift, gi, lens), sample_rows(scale, gi, lens))
+        return self.proj_out(img[: max(0, min(pack.end, total) - pack.start)])
 
 
 def pack_latents(latents: torch.Tensor, p: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import Row
 from loongforge.core.ops import OpTable
-from loongforge.core.parallel.ulysses import heads_to_seq, local_range, seq_to_heads
+from loongforge.core.parallel.ulysses import heads_to_seq, local_range, padded_range, seq_to_heads
 from torch import nn
 
 
@@ -184,7 +184,8 @@ class Pack:
     width) in patches, `cu_seqlens` its token bounds. Under context parallelism (`cp_group`) this
     rank holds tokens [start, end) of the row between attentions: `sample_of_token` and
     `local_cu` (each sample's bounds within the slice) and `local_lens` (each sample's token count
-    in it, host ints) describe those; otherwise the slice is the whole row."""
+    in it, host ints) describe those; otherwise the slice is the whole row. `token_times`: the
+    model's times are one per token (its modulation rows already the slice's), not one per sample."""
 
     grids: list[tuple[int, int, int]]
     cu_seqlens: torch.Tensor
@@ -194,6 +195,7 @@ class Pack:
     start: int = 0
     end: int = 0
     cp_group: object = None
+    token_times: bool = False
 
     @classmethod
     def of(cls, grids: list[tuple[int, int, int]], device, start: int = 0, end: int | None = None, cp_group=None) -> "Pack":
@@ -202,9 +204,7 @@ class Pack:
         cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
         end = sum(sizes) if end is None else end
         owner = torch.repeat_interleave(torch.arange(len(grids), device=device), lens)
-        firsts = [sum(sizes[:i]) for i in range(len(sizes))]
-        local = [max(0, min(a + n, end) - max(a, start)) for a, n in zip(firsts, sizes)]
-        return cls(list(grids), cu, owner[start:end], (cu - start).clamp(0, end - start), local, start, end, cp_group)
+        return cls(list(grids), cu, owner[start:end], (cu - start).clamp(0, end - start), lens_in(sizes, start, end), start, end, cp_group)
 
     @property
     def max_len(self) -> int:
@@ -213,6 +213,12 @@ class Pack:
     @property
     def total(self) -> int:
         return sum(f * h * w for f, h, w in self.grids)
+
+
+def lens_in(sizes: list[int], start: int, end: int) -> list[int]:
+    """How many tokens of each run of `sizes` (consecutive in one row) lie in [start, end)."""
+    firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [max(0, min(a + n, end) - max(a, start)) for a, n in zip(firsts, sizes)]
 
 
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -231,9 +237,7 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, pack: Pa
 
 def _per_token(v: torch.Tensor, pack: Pack) -> torch.Tensor:
     """[samples, hidden] (or already [tokens, hidden]) -> a tensor broadcasting against [tokens, hidden]."""
-    if v.shape[0] == pack.sample_of_token.numel():
-        return v
-    if v.shape[0] == 1:
+    if pack.token_times or v.shape[0] == 1:
         return v
     return sample_rows(v, pack.sample_of_token, pack.local_lens)
 
@@ -446,12 +450,13 @@ class WanDiT(nn.Module):
             raise ValueError("image_context is required by an image-to-video model and taken by no other")
         total = patches.shape[0]
         if cp_group is not None:
-            patches, pack, timestep, context = _pad_for(cp_group, patches, pack, timestep, context)
+            patches, pack, timestep, context, image_context = _pad_for(cp_group, patches, pack, timestep, context, image_context)
         w = self.patch_embedding.weight
         x = F.linear(patches[pack.start : pack.end].to(w.dtype), w.flatten(1), self.patch_embedding.bias)
         temb = self.time_in(timestep_features(timestep, self.cfg.freq_dim).to(self.time_in.fc1.weight.dtype))
         if timestep.shape[0] == pack.total and len(pack.grids) != timestep.shape[0]:
             temb = temb[pack.start : pack.end]  # one time per token: this rank's tokens'
+            pack = dataclasses.replace(pack, token_times=True)
         time_mod = self.time_proj(F.silu(temb)).float().unflatten(1, (6, -1))
         context = self.text_in(context.to(self.text_in.fc1.weight.dtype))
         if image_context is not None:
@@ -471,7 +476,8 @@ class WanExperts(nn.Module):
     `boundary_ratio`. Called like `WanDiT`: each sample of the pack goes to its expert by its time,
     and both experts run in every call (an expert without samples runs on one all-zero token
     whose output is multiplied by 0), so every data-parallel rank runs the same collectives
-    whatever its samples' times."""
+    whatever its samples' times. Under context parallelism each expert splits its own samples'
+    tokens over the group (the group's ranks hold the same samples and times, so route alike)."""
 
     def __init__(self, cfg: WanConfig, boundary: float, ops: OpTable | None = None):
         super().__init__()
@@ -485,47 +491,63 @@ class WanExperts(nn.Module):
         """True where time t goes to the high-noise expert."""
         return t >= self.boundary
 
-    def forward(self, patches, pack: Pack, timestep, context, cp_group=None):
-        if cp_group is not None:
-            raise ValueError("two-expert Wan does not run under context parallelism")
+    def routes(self, pack: Pack, timestep: torch.Tensor) -> list[tuple[WanDiT, list[int], torch.Tensor]]:
+        """(expert, its samples, their rows of the pack) of the high then the low expert."""
         n = len(pack.grids)
         if timestep.shape[0] != n:
             raise ValueError("two-expert Wan routes by each sample's time; per-token times are not supported")
         high = self.expert_for(timestep).tolist()
-        offsets = [0]
-        for f, h, w in pack.grids:
-            offsets.append(offsets[-1] + f * h * w)
-        out, unused = None, []
+        cu = pack.cu_seqlens.tolist()
+        res = []
         for expert, picks in ((self.high, [i for i in range(n) if high[i]]), (self.low, [i for i in range(n) if not high[i]])):
+            rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in picks]) if picks else torch.zeros(0, dtype=torch.long)
+            res.append((expert, picks, rows.to(pack.cu_seqlens.device)))
+        return res
+
+    def forward(self, patches, pack: Pack, timestep, context, cp_group=None):
+        """With `cp_group` each expert splits its own samples' tokens over the group, and this rank
+        returns its rows of the high expert's then of the low expert's (`cp_rows`)."""
+        outs, unused = [], []
+        for expert, picks, rows in self.routes(pack, timestep):
             if not picks:  # one zero token through the expert, times 0: the same collectives on every rank
                 zero = expert(
                     patches.new_zeros(1, patches.shape[1]), Pack.of([(1, 1, 1)], patches.device), timestep[:1] * 0, context[:1] * 0
                 )
                 unused.append(zero.sum() * 0)
                 continue
-            rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in picks]).to(patches.device)
-            pred = expert(patches[rows], Pack.of([pack.grids[i] for i in picks], patches.device), timestep[picks], context[picks])
-            out = (pred.new_zeros(patches.shape[0], pred.shape[1]) if out is None else out).index_copy(0, rows, pred)
+            sub = Pack.of([pack.grids[i] for i in picks], patches.device)
+            outs.append((rows, expert(patches[rows], sub, timestep[picks], context[picks], cp_group)))
+        if cp_group is not None:
+            out = torch.cat([pred for _, pred in outs])
+        else:
+            out = outs[0][1].new_zeros(patches.shape[0], outs[0][1].shape[1])
+            for rows, pred in outs:
+                out = out.index_copy(0, rows, pred)
         return out + unused[0] if unused else out
 
 
-def _pad_for(group, patches, pack: Pack, timestep, context):
-    """The row padded to a multiple of the group's size with one dummy sample (its own attention,
-    time 0, an all-zero context; its rows are dropped from the output), and this rank's slice."""
-    import torch.distributed as dist
+def cp_rows(model: nn.Module, pack: Pack, timestep: torch.Tensor, group) -> torch.Tensor:
+    """The rows of `pack` whose predictions `model(..., cp_group=group)` returns on this rank, in
+    its order: the rank's `local_range` of the row, or of each expert's samples' rows."""
+    parts = [rows for _, _, rows in model.routes(pack, timestep)] if isinstance(model, WanExperts) else [torch.arange(pack.total)]
+    rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    return torch.cat([p[slice(*local_range(len(p), rank, size))] for p in parts]).to(pack.cu_seqlens.device)
 
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+
+def _pad_for(group, patches, pack: Pack, timestep, context, image_context=None):
+    """The row padded to a multiple of the group's size with one dummy sample (its own attention,
+    time 0, an all-zero context and image context; its rows are dropped from the output), and this
+    rank's slice."""
     total = patches.shape[0]
-    pad = -total % cp
+    pad, start, end = padded_range(total, group)
     grids = list(pack.grids)
     if pad:
         per_token = timestep.shape[0] == total and len(grids) != total
         patches = torch.cat([patches, patches.new_zeros(pad, patches.shape[1])])
         grids.append((1, 1, pad))
         timestep = torch.cat([timestep, timestep.new_zeros(pad if per_token else 1)])
-        context = torch.cat([context, context.new_zeros(1, *context.shape[1:])])
-    start, end = local_range(total + pad, rank, cp)
-    return patches, Pack.of(grids, patches.device, start, end, group), timestep, context
+        context, image_context = (None if c is None else torch.cat([c, c.new_zeros(1, *c.shape[1:])]) for c in (context, image_context))
+    return patches, Pack.of(grids, patches.device, start, end, group), timestep, context, image_context
 
 
 def patchify(latents: list[torch.Tensor], cfg: WanConfig, as_output: bool = False) -> tuple[torch.Tensor, Pack]:
