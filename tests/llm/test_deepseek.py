@@ -166,14 +166,22 @@ def test_expert_bias_moves_towards_balance(hf_ds, ds_one):
 
 
 @pytest.mark.slow
-def test_expert_parallel_two_processes_match_one(hf_ds, ds_one, tmp_path):
-    _train(
-        tmp_path, hf_ds, "model.moe_bias_update_rate=0.01", "checkpoint.export_hf=true", "parallel.expert_model_parallel_size=2", nproc=2
-    )
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.expert_model_parallel_size=2"],
+        # latent attention with TP=2 under sequence parallelism: down projections and latent
+        # norms on each rank's share of the sequence, the rotary key gathered
+        ["parallel.expert_model_parallel_size=2", "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    ],
+    ids=["ep2", "ep2-tp2-sp"],
+)
+def test_expert_parallel_two_processes_match_one(layout, hf_ds, ds_one, tmp_path):
+    _train(tmp_path, hf_ds, "model.moe_bias_update_rate=0.01", "checkpoint.export_hf=true", *layout, nproc=2)
     want, got = losses(ds_one), losses(tmp_path)
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
-    # the bias updates count the tokens of both data-parallel ranks: the same biases as one process
+    # the bias updates count the tokens of both data-parallel (or sequence-parallel) ranks: the same biases as one process
     a, b = (load_file(str(r / "hf" / "model.safetensors")) for r in (ds_one, tmp_path))
     for k in a:
         if "e_score_correction_bias" in k:

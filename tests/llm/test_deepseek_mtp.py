@@ -64,7 +64,8 @@ def add_mtp_weights(hf, d, seed=3):
             state[prefix + k] = v.detach().clone().contiguous()
     state |= {prefix + f"{name}.{k}": v.detach().clone() for name, mod in parts.items() for k, v in mod.state_dict().items()}
     state[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
-    state[prefix + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    # (a tied checkpoint has no lm_head: its head is the embedding)
+    state[prefix + "shared_head.head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"]).clone()
     save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
     c = json.loads((d / "config.json").read_text())
     c["num_nextn_predict_layers"] = 1
@@ -156,17 +157,23 @@ def test_mtp_weights_round_trip_bit_identical(mtp_model, tmp_path):
     assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
-def test_tied_embeddings_with_mtp_refuse_pipeline_parallelism(mtp_model):
-    """The one layout MTP refuses: its last-stage embedding copy would be the tied output layer."""
-    import dataclasses
-    from types import SimpleNamespace
-
+def test_tied_mtp_weights_round_trip_without_lm_head(tmp_path):
+    """With tied embeddings the MTP head copies are the embedding: HF -> LF -> HF gives the
+    checkpoint back with no lm_head, and a head copy that is not the embedding is refused."""
     from loongforge.core.errors import UserError
-    from loongforge.core.foundation.spec import build_gpt_model
 
-    cfg = dataclasses.replace(mtp_model[4].cfg, tie_word_embeddings=True)
-    with pytest.raises(UserError, match=r"model.tie_word_embeddings=true runs at pipeline_model_parallel_size=1"):
-        build_gpt_model(cfg, SimpleNamespace(tp_size=1, pp_size=2, ep_size=1))
+    hf, d = make_deepseek(tmp_path, **DENSE, tie_word_embeddings=True)
+    add_mtp_weights(hf, d)
+    hf_to_lf(d, tmp_path / "lf")
+    lf_to_hf(tmp_path / "lf", tmp_path / "back")
+    a, b = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(a) == set(b) and "lm_head.weight" not in b and "model.layers.2.shared_head.head.weight" in b
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    a["model.layers.2.shared_head.head.weight"] += 1.0
+    save_file(a, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"shared_head.head.weight and the one read before them differ"):
+        hf_to_lf(d, tmp_path / "lf2")
 
 
 def _train(run_dir, hf, *extra, nproc=1):
@@ -208,17 +215,38 @@ def dense_one(tmp_path_factory):
     return path, run, _train(run, path)
 
 
+@pytest.fixture(scope="module")
+def tied_one(tmp_path_factory):
+    """The dense model with tied embeddings (the embedding is the output layer of the main and
+    the MTP loss and MTP's input embedding), four steps on one process."""
+    d = tmp_path_factory.mktemp("mtp_tied")
+    hf, path = make_deepseek(d, **DENSE, tie_word_embeddings=True)
+    add_mtp_weights(hf, path)
+    run = d / "one"
+    return path, run, _train(run, path)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
-def test_two_process_layout_with_mtp_matches_one(layout, request, tmp_path):
+@pytest.mark.parametrize(
+    "one_run, layout",
+    [
+        ("dense_one", "parallel.tensor_model_parallel_size=2"),
+        ("mtp_one", "parallel.pipeline_model_parallel_size=2"),
+        # MoE layers (the MTP module's too) at TP > 1 run under sequence parallelism
+        ("mtp_one", "parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true"),
+        # the last stage's one copy of the embedding serves MTP's input and the output layer
+        ("tied_one", "parallel.pipeline_model_parallel_size=2"),
+    ],
+)
+def test_two_process_layout_with_mtp_matches_one(one_run, layout, request, tmp_path):
     """The main and MTP losses and the gradient norm of every step, and the trained weights of
     the HF export (the checkpoint saved at TP=2 / PP=2, read back at TP=1), equal one process's."""
-    if "tensor" in layout:
-        hf, one, want = request.getfixturevalue("dense_one")
-    else:
+    if one_run == "mtp_one":
         hf = request.getfixturevalue("mtp_model")[1]
         one, want = request.getfixturevalue("mtp_one")
-    got = _train(tmp_path, hf, layout, nproc=2)
+    else:
+        hf, one, want = request.getfixturevalue(one_run)
+    got = _train(tmp_path, hf, *layout.split(), nproc=2)
     assert [r["step"] for r in got] == [1, 2, 3, 4] and set(got[0]) == set(want[0])  # (the MTP layer's MoE metrics among them)
     for g, w in zip(got, want):
         for key in ("loss", "mtp_loss_1", "grad_norm"):
@@ -234,5 +262,7 @@ def test_two_process_layout_with_mtp_matches_one(layout, request, tmp_path):
         if k.startswith("model.layers.2.") and "embed_tokens" not in k and "shared_head.head" not in k:
             assert (a[k] - start[k]).abs().max() > 1e-3, k
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4, msg=k)
+    if one_run == "tied_one":  # no lm_head; MTP's head copy is the trained embedding
+        assert "lm_head.weight" not in b and torch.equal(b["model.layers.2.shared_head.head.weight"], b["model.embed_tokens.weight"])
     # the export loads in LoongForge, MTP module included
     assert load_model(tmp_path / "hf").gpt.multi_token_prediction is not None

@@ -1,6 +1,7 @@
 """Qwen3-MoE: our megatron-core model against HF transformers' Qwen3MoeForCausalLM on tiny random
 configs (logits, greedy tokens, HF -> LF -> HF), training with the router's losses and load
-metrics, EP=2 on 2 gloo processes against EP=1, resume across EP sizes, and bad input."""
+metrics, EP=2 on 2 gloo processes against EP=1 (all-gather and all-to-all dispatch), TP=2 with
+sequence parallelism, resume across EP sizes, and bad input."""
 
 import json
 import re
@@ -88,6 +89,19 @@ def _train(run_dir, hf, *extra, nproc=1, steps=STEPS):
     return r
 
 
+def _rows(run_dir):
+    """A run's metrics.jsonl rows."""
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_close(got, want, keys, rel=1e-5):
+    """Every step's `keys` of `got` within `rel` of `want`'s."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        for k in keys:
+            assert abs(g[k] - w[k]) <= rel * abs(w[k]), (g["step"], k, g[k], w[k])
+
+
 @pytest.fixture(scope="module")
 def single(hf_moe, tmp_path_factory):
     d = tmp_path_factory.mktemp("moe_single")
@@ -138,13 +152,8 @@ def ep2(hf_moe, tmp_path_factory):
 def test_expert_parallel_two_processes_match_one(single, ep2):
     manifest = json.loads((ep2 / "checkpoints" / "step_00000004" / "manifest.json").read_text())
     assert manifest["parallel"]["expert_model_parallel_size"] == 2 and manifest["parallel"]["data_parallel_size"] == 2
-    want, got = losses(single), losses(ep2)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in want:
-        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
-    rows = [json.loads(x) for x in (ep2 / "metrics.jsonl").read_text().splitlines()]
-    one = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()]
-    assert abs(rows[-1]["grad_norm"] - one[-1]["grad_norm"]) <= 1e-5 * one[-1]["grad_norm"]
+    assert len(_rows(ep2)) == STEPS
+    _assert_close(_rows(ep2), _rows(single), ("loss", "grad_norm"))
 
 
 @pytest.mark.slow
@@ -216,6 +225,97 @@ def test_resume_at_another_expert_parallel_size(saved_ep, resumed_ep, single, ep
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [2, 1])
+def test_tensor_parallel_with_sequence_parallel_matches_one(ep, single, hf_moe, tmp_path):
+    """TP=2 on attention and the dense layer with megatron-core's sequence parallelism, on 2 gloo
+    processes: at EP=2 the experts split over the same two ranks (each gathers both ranks'
+    shares of the sequence); at EP=1 both hold every expert and route their own share (their
+    expert gradients summed over the TP ranks). The aux and z losses, the q/k norms (whose
+    gradients sum over TP) and the routers (on 1/2 of the sequence each) all take part; losses,
+    the logged aux loss and the gradient norm equal one process."""
+    layout = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", f"parallel.expert_model_parallel_size={ep}"]
+    _train(tmp_path, hf_moe, *layout, nproc=2)
+    manifest = json.loads((tmp_path / "checkpoints" / f"step_{STEPS:08d}" / "manifest.json").read_text())
+    assert manifest["parallel"]["tensor_model_parallel_size"] == 2 and manifest["parallel"]["data_parallel_size"] == 1
+    assert len(_rows(tmp_path)) == STEPS
+    keys = ("loss", "grad_norm", "moe/layer1/load_balancing_loss", "moe/layer2/z_loss", "moe/layer2/load_max_mean")
+    _assert_close(_rows(tmp_path), _rows(single), keys)
+
+
+# ---- all-to-all dispatch (parallel.moe_token_dispatcher_type=alltoall, megatron-core's, run on gloo) ----
+
+ALLTOALL = ["parallel.expert_model_parallel_size=2", "parallel.moe_token_dispatcher_type=alltoall"]
+
+
+@pytest.mark.slow
+def test_alltoall_at_ep2_matches_one_process_and_allgather(single, ep2, hf_moe, tmp_path):
+    """8 experts over 2 ranks (4 local experts each, so the received tokens are re-sorted by local
+    expert), top-2: the losses and gradient norms of every step are one process's and the
+    all-gather dispatcher's within 1e-5; the EP load metrics are the all-gather run's."""
+    _train(tmp_path, hf_moe, *ALLTOALL, nproc=2)
+    got, one, gathered = _rows(tmp_path), _rows(single), _rows(ep2)
+    assert len(got) == STEPS
+    _assert_close(got, one, ("loss", "grad_norm"))
+    _assert_close(got, gathered, ("loss", "grad_norm", "moe/layer1/ep_load_max_mean", "moe/layer2/ep_load_max_mean"))
+
+
+@pytest.mark.slow
+def test_alltoall_with_a_capacity_factor_drops_as_one_process(hf_moe, tmp_path):
+    """Token dropping is the router's (over each rank's micro-batch), so a tight capacity at EP=2
+    with all-to-all gives the losses of one process with megatron's all-gather dispatcher."""
+    tight = "model.moe_capacity_factor=0.5"
+    _train(tmp_path / "one", hf_moe, tight, steps=2)
+    _train(tmp_path / "a2a", hf_moe, tight, *ALLTOALL, nproc=2, steps=2)
+    _assert_close(_rows(tmp_path / "a2a"), _rows(tmp_path / "one"), ("loss", "grad_norm"))
+
+
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (
+            ["parallel.moe_token_dispatcher_type=alltoall", "parallel.expert_spare_slots=1"],
+            ["parallel.expert_spare_slots=1 with parallel.moe_token_dispatcher_type=alltoall", "moe_token_dispatcher_type=allgather"],
+        ),
+        (["parallel.moe_token_dispatcher_type=all2all"], ["parallel.moe_token_dispatcher_type='all2all'", "allgather, alltoall"]),
+    ],
+)
+def test_bad_dispatcher_settings_on_the_cli(extra, needles, tmp_path):
+    r = run_cli(["train", "tiny", *FAST, "train.train_iters=2", f"checkpoint.run_dir={tmp_path / 'run'}", *MOE_TINY, *extra])
+    _one_line_error(r, *needles)
+    assert not (tmp_path / "run").exists()
+
+
+def test_alltoall_in_one_process_with_a_capacity_factor_matches_allgather():
+    """At EP=1 a capacity factor takes megatron's dispatchers: the all-to-all one (built and run
+    without CUDA) gives the all-gather one's loss and gradients."""
+    import torch
+    from loongforge.core.accelerator import get_accelerator
+    from loongforge.core.foundation.families import QWEN3_MOE
+    from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
+    from loongforge.core.parallel import init_parallel
+
+    acc = get_accelerator()
+    ctx = init_parallel(1, 1, acc.backend, acc.device_type)
+    cfg = QWEN3_MOE.resolve(
+        ModelConfig(family="qwen3_moe", num_layers=2, num_query_groups=2, num_experts=8, moe_ffn_hidden_size=32, moe_capacity_factor=1.0)
+    )
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    results, state = [], None
+    for dispatcher in ("allgather", "alltoall"):
+        model = build_gpt_model(cfg, ctx, moe_token_dispatcher_type=dispatcher)
+        state = state or model.state_dict()
+        model.load_state_dict(state)
+        loss = model(x, None, None, labels=x, loss_mask=torch.ones(2, 32))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert type(model.decoder.layers[0].mlp.token_dispatcher).__name__ == "AlltoAllDispatcher"
+    (loss_ag, grads_ag), (loss_a2a, grads_a2a) = results
+    assert torch.allclose(loss_a2a, loss_ag, rtol=1e-6, atol=0)
+    for n in grads_ag:
+        assert torch.allclose(grads_a2a[n], grads_ag[n], rtol=1e-5, atol=1e-7), n
+
+
 # ---- bad input ---------------------------------------------------------------------------
 
 
@@ -264,7 +364,7 @@ def test_bad_moe_settings_on_the_cli(extra, nproc, needles, tmp_path):
         ),
         (dict(moe_dense_layers=[7]), 1, 1, "model.moe_dense_layers: layer 7 does not exist"),
         (dict(num_experts=0), 2, 1, "needs a MoE model"),
-        (dict(), 1, 2, "MoE models run at tensor_model_parallel_size=1"),
+        (dict(), 1, 2, "needs parallel.sequence_parallel=true"),
         (dict(moe_score_function="relu"), 1, 1, "model.moe_score_function='relu'"),
         (dict(moe_expert_bias=True), 1, 1, "moe_expert_bias=true needs model.moe_score_function=sigmoid"),
         (dict(moe_score_function="sigmoid", moe_norm_topk_prob=False), 1, 1, "moe_norm_topk_prob=false with sigmoid"),

@@ -60,7 +60,13 @@ def validate(cfg, mcfg: ModelConfig, tok) -> None:
         raise UserError(
             f"tokenizer has {len(tok)} tokens but model.vocab_size is {mcfg.vocab_size}; raise model.vocab_size or use a matching tokenizer"
         )
-    validate_moe(mcfg, par.expert_model_parallel_size, par.tensor_model_parallel_size)
+    sequence_parallel = par.sequence_parallel and par.tensor_model_parallel_size > 1
+    validate_moe(mcfg, par.expert_model_parallel_size, par.tensor_model_parallel_size, sequence_parallel)
+    if sequence_parallel and cfg.data.seq_length % par.tensor_model_parallel_size:
+        raise UserError(
+            f"data.seq_length={cfg.data.seq_length} must be divisible by tensor_model_parallel_size={par.tensor_model_parallel_size} "
+            "with parallel.sequence_parallel=true (each TP rank holds an equal share of the sequence)"
+        )
     if par.stack != "megatron" and (mcfg.num_experts or mcfg.kv_lora_rank or mcfg.mtp_num_layers):
         raise UserError(
             f"the {mcfg.family} family (experts, latent attention, multi-token prediction) runs on the megatron stack: set parallel.stack=megatron"
@@ -214,14 +220,23 @@ class CausalLMTask(TrainingTask):
         self.megatron = cfg.parallel.stack == "megatron"
         self.units_per_step = data.tokens_per_step
         self.flops_per_step = mcfg.flops_per_token(cfg.data.seq_length, frozen_weights=self.lora is not None) * data.tokens_per_step
-        self.activation_shape = (cfg.data.seq_length, data.micro_batch_rows, mcfg.hidden_size)
+        # (under sequence parallelism a stage sends its TP rank's share of the sequence)
+        seq = cfg.data.seq_length // ctx.tp_size if ctx is not None and ctx.sequence_parallel else cfg.data.seq_length
+        self.activation_shape = (seq, data.micro_batch_rows, mcfg.hidden_size)
         self.trainable_only = self.lora is not None
         self.family = registry().get("family", mcfg.family)
         self._routers = None  # the model's MoE routers, found at the first loss
 
     def build_model(self):
         if self.megatron:
-            return build_gpt_model(self.mcfg, self.ctx, self.ops, recompute=self.cfg.train.recompute, lora=self.lora).to(self.device)
+            return build_gpt_model(
+                self.mcfg,
+                self.ctx,
+                self.ops,
+                recompute=self.cfg.train.recompute,
+                lora=self.lora,
+                moe_token_dispatcher_type=self.cfg.parallel.moe_token_dispatcher_type,
+            ).to(self.device)
         from loongforge.core.foundation.hf_native import build_hf_causal_lm
 
         return build_hf_causal_lm(self.family, self.mcfg, self.ops).to(self.device)

@@ -80,6 +80,8 @@ def validate(cfg, mcfg: VLMConfig, tok) -> None:
     par = cfg.parallel
     if par.stack != "megatron":
         raise UserError(f"parallel.stack={par.stack}: VLMs train on the megatron stack; set parallel.stack=megatron")
+    if par.sequence_parallel:
+        raise UserError("parallel.sequence_parallel=true: the VLM stack runs without sequence parallelism; set it to false")
     if cfg.train.micro_batch_size != 1:
         raise UserError("VLM micro-batches are THD packs of data.seq_length tokens: set train.micro_batch_size=1 (raise data.seq_length)")
     validate_data(cfg, mcfg, tok)

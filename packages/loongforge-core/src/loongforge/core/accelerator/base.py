@@ -8,6 +8,9 @@ code LoongForge runs on the CPU, each by replacing one attribute of one megatron
 patched: `torch.cuda.current_device()` and `torch.cuda.synchronize()` stay torch's.
 - `megatron.core.tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`
   (activation recompute saves and restores the RNG state through them): the CPU generator's.
+- `MoEAlltoAllTokenDispatcher.cuda_dtoh_stream` (the side stream its constructor creates on
+  CUDA unless one exists): a CPU stream, which LoongForge's all-to-all dispatcher never uses off
+  CUDA (it reads the token counts where they are needed).
 - `torch` as seen by the modules in `CPU_TORCH_VIEW_MODULES`: a view of torch whose
   `cuda.current_device()` is the CPU device and whose `cuda.synchronize()` does nothing;
   every other attribute is torch's own. Saving a checkpoint allocates the failure flag it
@@ -15,10 +18,11 @@ patched: `torch.cuda.current_device()` and `torch.cuda.synchronize()` stay torch
   the tensors to write (`dist_checkpointing.strategies`); a MoE router moves its weight to
   `torch.cuda.current_device()` on its first forward (`transformer.moe.router`); expert-parallel
   token dispatch allocates its gather buffers there (`tensor_parallel.mappings`, and
-  `megatron.core.utils`' global buffer). These are the calls into `torch.cuda` that
+  `megatron.core.utils`' global buffer), and so does a parallel linear's backward under sequence
+  parallelism (`tensor_parallel.layers`). These are the calls into `torch.cuda` that
   LoongForge's CPU runs make (pretraining, SFT and LoRA, TP=2 and PP=2 on gloo, MoE with EP=2,
-  save, resume with resharding, HF import/export), found by recording every caller in those
-  runs. The view is used whether or not the machine has CUDA: under the cpu accelerator
+  sequence parallelism, save, resume with resharding, HF import/export), found by recording
+  every caller in those runs. The view is used whether or not the machine has CUDA: under the cpu accelerator
   megatron's tensors live on the CPU.
 Everything else LoongForge calls in megatron-core is device-agnostic as used (CPU weight init,
 our own data-parallel sync and pipeline schedule instead of megatron DDP/schedules).
@@ -117,6 +121,7 @@ CPU_TORCH_VIEW_MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.transformer.moe.router",
     "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
     "megatron.core.utils",
 )
 
@@ -143,12 +148,37 @@ class CPUAccelerator(Accelerator):
 
     def setup(self) -> None:
         from megatron.core.tensor_parallel import random as mrandom
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
         swaps = [(mrandom, "_get_cuda_rng_state", _cpu_rng_state), (mrandom, "_set_cuda_rng_state", _set_cpu_rng_state)]
+        swaps.append((MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", torch.Stream("cpu")))
         swaps += [(importlib.import_module(m), "torch", _CPUTorch()) for m in CPU_TORCH_VIEW_MODULES]
         for module, attr, value in swaps:
             self._replaced.append((module, attr, getattr(module, attr)))
             setattr(module, attr, value)
+
+    def manual_seed(self, seed: int) -> None:
+        """torch's generator, and where megatron's parallel state exists its RNG tracker's states
+        (forked by sequence-parallel embedding dropout, even at rate 0) as CPU generator states,
+        seeded as megatron's `model_parallel_cuda_manual_seed` seeds its CUDA ones."""
+        torch.manual_seed(seed)
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return
+        from megatron.core.tensor_parallel import random as mrandom
+
+        seeds = {
+            mrandom._DATA_PARALLEL_RNG_TRACKER_NAME: seed,
+            mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + 2718 + ps.get_tensor_model_parallel_rank(),
+            mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME: seed
+            + 1024
+            + 100 * ps.get_expert_model_parallel_rank()
+            + ps.get_expert_tensor_parallel_rank(),
+        }
+        tracker = mrandom.get_cuda_rng_tracker()
+        tracker.reset()
+        tracker.set_states({name: torch.Generator().manual_seed(s).get_state() for name, s in seeds.items()})
 
     def teardown(self) -> None:
         while self._replaced:

@@ -24,20 +24,40 @@ class ComponentParallelConfig:
     pipeline_model_parallel_size: Optional[int] = None
 
 
+MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")
+
+
 @dataclass
 class ParallelConfig:
     stack: str = "megatron"  # megatron (megatron-core models: TP, PP, DP) | torch (the HF model as-is: DDP, ZeRO-1, FSDP2, HSDP)
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # megatron stack, TP > 1: norms, routers and residuals on 1/TP of the sequence (megatron-core's sequence
+    # parallelism; all-gather before and reduce-scatter after the parallel linears); MoE models need it at TP > 1
+    sequence_parallel: bool = False
     expert_model_parallel_size: int = 1  # megatron stack, MoE models: ranks that split each layer's experts (EP)
     expert_spare_slots: int = 0  # EP > 1: extra expert slots per rank holding copies of the hottest experts (0: no replication)
     expert_replan_interval: int = 20  # steps between replication plans (each from the routing of the steps since the last)
+    # megatron stack, MoE models at EP > 1: how tokens reach their experts' ranks: allgather (every rank gathers its EP
+    # group's tokens; hot-expert replication) | alltoall (each token is sent only to the ranks holding its experts)
+    moe_token_dispatcher_type: str = "allgather"
     ranks_per_node: Optional[int] = None  # replicas stay on the busy rank's node where they can (None: torchrun's LOCAL_WORLD_SIZE)
     data_parallel_mode: str = "ddp"  # torch stack: ddp | zero1 (sharded optimizer state) | fsdp (fully_shard per block) | hsdp
     data_parallel_replicas: int = 1  # torch stack, hsdp: replica groups of the 2-D mesh (shards = world size / replicas)
     compile: bool = False  # torch stack: torch.compile every block
     context_parallel_size: int = 1  # torch stack, recipes that support it (diffusion.wan): ranks that split each sample's tokens (Ulysses)
     components: Dict[str, ComponentParallelConfig] = field(default_factory=dict)  # megatron stack: TP/PP per component (vision, ...)
+
+    def validate(self, prefix: str = "parallel.") -> None:
+        if self.moe_token_dispatcher_type not in MOE_TOKEN_DISPATCHERS:
+            raise UserError(
+                f"{prefix}moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: choose one of {', '.join(MOE_TOKEN_DISPATCHERS)}"
+            )
+        if self.moe_token_dispatcher_type == "alltoall" and self.expert_spare_slots:
+            raise UserError(
+                f"{prefix}expert_spare_slots={self.expert_spare_slots} with {prefix}moe_token_dispatcher_type=alltoall: hot-expert "
+                f"replicas run with the all-gather dispatcher; set {prefix}moe_token_dispatcher_type=allgather or {prefix}expert_spare_slots=0"
+            )
 
 
 @dataclass
@@ -103,13 +123,13 @@ class CheckpointConfig:
 
 
 def validate_sections(cfg, prefix: str = "") -> None:
-    """Validate every TrainConfig and CheckpointConfig section of a loaded config (named by
-    its path, e.g. `train.`), at any depth; `load_config` calls it on what it returns."""
+    """Validate every TrainConfig, CheckpointConfig and ParallelConfig section of a loaded config
+    (named by its path, e.g. `train.`), at any depth; `load_config` calls it on what it returns."""
     if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
         return
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if isinstance(value, (TrainConfig, CheckpointConfig)):
+        if isinstance(value, (TrainConfig, CheckpointConfig, ParallelConfig)):
             value.validate(f"{prefix}{f.name}.")
         else:
             validate_sections(value, f"{prefix}{f.name}.")

@@ -159,7 +159,7 @@ def mtp_rows(layer_rows: tuple) -> tuple:
         Row(M + "eh_proj.weight", (HM + "eh_proj.weight",), hf_shift=MTP_SHIFT),
         Row(M + "final_layernorm.weight", (HM + "shared_head.norm.weight",), hf_shift=MTP_SHIFT),
         Row("embedding.word_embeddings.weight", (HM + "embed_tokens.weight",), "copies", hf_shift=MTP_SHIFT),
-        Row("output_layer.weight", (HM + "shared_head.head.weight",), "copies", hf_shift=MTP_SHIFT),
+        Row("output_layer.weight", (HM + "shared_head.head.weight",), "copies", hf_shift=MTP_SHIFT, tied=EMBEDDING_ROW.lf),
     )
 
 

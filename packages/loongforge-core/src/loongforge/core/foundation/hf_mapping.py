@@ -8,6 +8,7 @@ repeated as the config's `repeats()` says.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import string
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ class Row:
     # (placeholder, config attribute): in HF names the placeholder counts from that attribute's
     # value (DeepSeek-V3's MTP module m is HF layer num_layers + m)
     hf_shift: tuple = ()
+    # the LoongForge tensor the row maps instead in a model with tied embeddings (DeepSeek-V3's
+    # MTP head copies are then the embedding)
+    tied: str = ""
 
 
 def prefixed(table, lf_prefix: str = "", hf_prefix: str = "", rename: dict[str, str] | None = None) -> tuple[Row, ...]:
@@ -38,7 +42,12 @@ def prefixed(table, lf_prefix: str = "", hf_prefix: str = "", rename: dict[str, 
             n = n.replace(a, b)
         return n
 
-    return tuple(Row(lf_prefix + name(r.lf), tuple(hf_prefix + name(h) for h in r.hf), r.transform, r.optional, r.hf_shift) for r in table)
+    return tuple(
+        dataclasses.replace(
+            r, lf=lf_prefix + name(r.lf), hf=tuple(hf_prefix + name(h) for h in r.hf), tied=lf_prefix + name(r.tied) if r.tied else ""
+        )
+        for r in table
+    )
 
 
 def _qkv_fuse(q, k, v, groups: int):
@@ -81,6 +90,8 @@ def _expand(row: Row, counts: dict[str, int], cfg=None):
     LoongForge tensor stacks one slice per value along dim 0; a row without one has one slice.
     With transform "copies", each value of such a placeholder names another HF copy of the same
     LoongForge tensor instead (one item per copy)."""
+    if row.tied and getattr(cfg, "tie_word_embeddings", False):
+        row = dataclasses.replace(row, lf=row.tied)
     names = _placeholders(row.lf)
     stacked = sorted({p for h in row.hf for p in _placeholders(h)} - set(names))
     missing = [n for n in names + stacked if n not in counts]

@@ -11,19 +11,25 @@ from typing import Optional
 
 import torch
 from loongforge.core.ops import OpTable
+from loongforge.core.parallel.split_data import SPLIT_DATA_ATTR
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension (megatron builds it as `norm(config=, hidden_size=, eps=)`)."""
+    """RMSNorm over the last dimension (megatron builds it as `norm(config=, hidden_size=, eps=)`).
+    `per_head`: a q/k norm, applied to each of this TP rank's heads, so its gradient holds those
+    heads' share only and sums over the TP group (as under sequence parallelism, where every norm
+    sees its rank's share of the sequence)."""
 
-    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6, ops: OpTable | None = None):
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6, ops: OpTable | None = None, per_head: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=getattr(config, "params_dtype", torch.float32)))
         self.eps = eps
         self.ops = ops or OpTable()
         if config is not None and getattr(config, "sequence_parallel", False):
             self.weight.sequence_parallel = True
+        if per_head:
+            setattr(self.weight, SPLIT_DATA_ATTR, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)

@@ -73,13 +73,16 @@ class _SumGradOverGroup(torch.autograd.Function):
 
 class ReplicatedLinear(nn.Module):
     """y = x W^T with the whole weight on every tensor-parallel rank (MLA's down projections,
-    whose outputs every head needs); megatron's (output, bias) return convention."""
+    whose outputs every head needs); megatron's (output, bias) return convention. Under sequence
+    parallelism it projects this rank's share of the sequence (its gradient sums over TP)."""
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool = False, **_):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
         with torch.no_grad():
             init_method(self.weight)
+        if config.sequence_parallel:
+            self.weight.sequence_parallel = True
 
     def forward(self, x: torch.Tensor):
         return torch.nn.functional.linear(x, self.weight), None
@@ -159,22 +162,31 @@ def mla_attention_class():
             )
 
         def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
-            """hidden_states [seq, batch, hidden] (THD packs: batch 1) -> (output, None)."""
+            """hidden_states [seq, batch, hidden] (THD packs: batch 1; under sequence parallelism
+            this rank's share of the sequence) -> (output, None)."""
             from loongforge.core.foundation.layers import RotarySDPAttention, _cu_seqlens
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             special = [k for k, v in kwargs.items() if v is not None and k != "sequence_len_offset"]
             if special:
                 raise NotImplementedError(f"multi-head latent attention does not take {special[0]} (inference caches are not built)")
-            d, s, b = self.dims, hidden_states.shape[0], hidden_states.shape[1]
+            d = self.dims
+            # the down projections and latent norms see this rank's tokens; the up projections
+            # (column-parallel) gather the whole sequence under sequence parallelism
             if d.q_lora_rank:
                 q, _ = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(hidden_states)[0]))
             else:
                 q, _ = self.linear_q_proj(hidden_states)
+            s, b = q.shape[:2]
             q = q.view(s, b, self.heads, -1)
             latent, k_rot = self.linear_kv_down_proj(hidden_states)[0].split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
             kv, _ = self.linear_kv_up_proj(self.kv_layernorm(latent))
             k_nope, v = kv.view(s, b, self.heads, -1).split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
-            if self.tp_group.size() > 1:  # each rank's heads use the shared rotary key: its gradient sums over them
+            # each rank's heads use the shared rotary key: its gradient sums over them (the
+            # sequence gather's backward is a reduce-scatter, which sums too)
+            if self.config.sequence_parallel:
+                k_rot = gather_from_sequence_parallel_region(k_rot, group=self.tp_group)
+            elif self.tp_group.size() > 1:
                 k_rot = _SumGradOverGroup.apply(k_rot, self.tp_group)
             q_nope, q_rot = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
             positions = RotarySDPAttention.positions(packed_seq_params, s, q.device)

@@ -66,8 +66,10 @@ def router_class():
     docstring) instead of through megatron's process-wide loss scale, and are kept on the router
     (`stats`) instead of megatron's global tracker. `stats` after a forward: `tokens_per_expert`
     [E] (this rank's tokens routed to each expert, fp32, detached) and each aux loss's value
-    (without its coefficient). A factory, so that importing this module does not import
-    megatron-core."""
+    (without its coefficient). Under sequence parallelism each TP rank routes its share of the
+    sequence: the load counts and the logged losses are summed (z-loss: averaged) over the TP
+    group, and each rank's share of an aux loss joins backward at the whole sequence's token
+    count. A factory, so that importing this module does not import megatron-core."""
     from megatron.core.transformer.moe.moe_utils import z_loss_func
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -83,10 +85,18 @@ def router_class():
             with torch.autocast(input.device.type, enabled=False):
                 return super().gating(input)
 
+        def _over_tp(self, value: torch.Tensor, mean: bool = False) -> torch.Tensor:
+            """`value` (detached) summed, or averaged, over the TP ranks sharing a sequence."""
+            if not self.config.sequence_parallel:
+                return value
+            value = value.clone()
+            dist.all_reduce(value, group=self.tp_cp_group)
+            return value / self.tp_cp_group.size() if mean else value
+
         def routing(self, logits, padding_mask=None):
             self.stats = {}
             probs, routing_map = super().routing(logits, padding_mask=padding_mask)
-            load = routing_map.detach().sum(0, dtype=torch.float32)
+            load = self._over_tp(routing_map.detach().sum(0, dtype=torch.float32))
             self.stats["tokens_per_expert"] = load
             if self.training and torch.is_grad_enabled():  # (not again when recompute repeats the forward)
                 self.load_window = load.clone() if self.load_window is None else self.load_window + load
@@ -95,8 +105,11 @@ def router_class():
         def attach_and_log_load_balancing_loss(
             self, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group, reduce_group_has_dp=False, valid_token_count=None
         ):
-            self.stats[aux_loss_name] = (aux_loss / aux_loss_coeff).detach().float()
+            # (megatron's aux losses count tokens over the TP group: a rank's value is its share)
+            self.stats[aux_loss_name] = self._over_tp((aux_loss / aux_loss_coeff).detach().float())
             tokens = valid_token_count if valid_token_count is not None else activation.shape[0]
+            if self.config.sequence_parallel:
+                tokens = tokens * self.tp_cp_group.size()
             return _AttachLoss.apply(activation, aux_loss * tokens)
 
         def apply_z_loss(self, logits, padding_mask=None):
@@ -104,7 +117,7 @@ def router_class():
             if coeff is None or not (self.training and torch.is_grad_enabled()):
                 return logits
             z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
-            self.stats["z_loss"] = (z_loss / coeff).detach().float()
+            self.stats["z_loss"] = self._over_tp((z_loss / coeff).detach().float(), mean=True)
             tokens = (~padding_mask).sum() if padding_mask is not None else logits.shape[0]
             return _AttachLoss.apply(logits, z_loss * tokens)
 
@@ -180,11 +193,13 @@ def moe_layer_class():
     """megatron-core's `MoELayer`, whose tokens, where every expert is on this rank (EP = 1) and
     none is dropped (no capacity factor), go to the experts and back through the op table's
     `moe_permute` / `moe_unpermute` (the permute kernels; no host read of the expert counts),
-    the router probabilities applied as the outputs are combined. Other layouts keep megatron's
-    all-gather dispatcher (its expert parallelism and token dropping). A factory, so that
-    importing this module does not import megatron-core."""
+    the router probabilities applied as the outputs are combined. Other layouts use the config's
+    `moe_token_dispatcher_type`: megatron's all-gather dispatcher (expert parallelism with
+    hot-expert replicas, token dropping) or its all-to-all dispatcher (each token sent only to the
+    ranks holding its experts; no replicas). A factory, so that importing this module does not
+    import megatron-core."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoETokenDispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher, MoETokenDispatcher
 
     class LocalTokenDispatcher(MoETokenDispatcher):
         def __init__(self, config, pg_collection, ops: OpTable):
@@ -243,15 +258,52 @@ def moe_layer_class():
             self.routing_map = None
             return permuted, tokens_per_expert, self.local_probs
 
+    class AlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
+        """megatron's all-to-all dispatcher, off CUDA too: megatron's copies the token counts to
+        the host on a side CUDA stream and allocates the all-to-all outputs on the current CUDA
+        device; here, on other devices, the counts are read where they are needed, and the
+        outputs are allocated on the tokens' device. On CUDA the counts keep megatron's stream."""
+
+        def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+            self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
+            splits = (self.ep_group, self.output_splits, self.input_splits)
+            return _AllToAll.apply(permutated_local_input_tokens, *splits), _AllToAll.apply(permuted_probs, *splits)
+
+        def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
+            return _AllToAll.apply(hidden_states, self.ep_group, self.input_splits, self.output_splits)
+
+        def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+            if self.drop_and_pad or self.routing_map.is_cuda:
+                return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+            if point == self.cuda_dtoh_point:
+
+                def host(t):
+                    return t.cpu() if torch.is_tensor(t) else t
+
+                self.input_splits, self.output_splits, self.output_splits_tp = (
+                    None if t is None else host(t).tolist() for t in (self.input_splits, self.output_splits, self.output_splits_tp)
+                )
+                self.num_out_tokens = host(self.num_out_tokens)
+                if self.num_local_experts > 1:
+                    self.num_global_tokens_per_local_expert = host(self.num_global_tokens_per_local_expert)
+                return host(tokens_per_expert)
+            return tokens_per_expert
+
     class OpTableMoELayer(MoELayer):
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, ops: OpTable | None = None):
             super().__init__(config, submodules, layer_number, pg_collection)
+            from loongforge.core.parallel.expert_placement import home_placement
+
             if self.num_local_experts == config.num_moe_experts and config.moe_expert_capacity_factor is None:
                 self.token_dispatcher = LocalTokenDispatcher(config, pg_collection, ops or OpTable())
+            elif config.moe_token_dispatcher_type == "alltoall":
+                self.token_dispatcher = AlltoAllDispatcher(self.num_local_experts, self.local_expert_indices, config, pg_collection)
+                if self.num_local_experts < config.num_moe_experts:  # (the router's placement: the EP load metrics)
+                    self.router.placement = PlacedExperts(
+                        home_placement(config.num_moe_experts, self.ep_group.size()), self.ep_group.rank()
+                    )
             elif self.num_local_experts < config.num_moe_experts:
                 self.token_dispatcher = PlacedAllGatherDispatcher(self.num_local_experts, self.local_expert_indices, config, pg_collection)
-                from loongforge.core.parallel.expert_placement import home_placement
-
                 self.set_placement(home_placement(config.num_moe_experts, self.ep_group.size()))
 
         def set_placement(self, placement) -> None:
@@ -267,6 +319,26 @@ def moe_layer_class():
             return getattr(self.token_dispatcher, "placement", None)
 
     return OpTableMoELayer
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all over `group`, `in_splits[r]` rows of `x` to rank r and `out_splits[r]` rows
+    from it (None: even splits), the output on `x`'s device; backward sends the gradients back
+    the same way (megatron's `all_to_all`, which allocates its output on the current CUDA device)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, out_splits, in_splits) -> torch.Tensor:
+        ctx.group, ctx.splits = group, (in_splits, out_splits)
+        if group.size() == 1:
+            return x
+        x = x.contiguous()
+        out = x.new_empty(sum(out_splits), *x.shape[1:]) if out_splits is not None else torch.empty_like(x)
+        dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.group, *ctx.splits), None, None, None
 
 
 class PlacedExperts:
@@ -369,7 +441,7 @@ def grouped_experts_class():
             self.num_local_experts = num_local_experts
             self.ep_group = pg_collection.ep
             self.expt_dp_group = pg_collection.expt_dp
-            self.tp_group = pg_collection.tp
+            self.expt_tp_group = pg_collection.expt_tp
             h, f = config.hidden_size, config.moe_ffn_hidden_size
             dtype = config.params_dtype
             self.fc1 = nn.Parameter(torch.empty(num_local_experts, 2 * f, h, dtype=dtype))
@@ -399,7 +471,8 @@ def grouped_experts_class():
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
             """Each weight as the whole [E, ...] tensor, this rank's EP slice at its expert offset;
-            replicated over the tensor-parallel and expert-data-parallel ranks."""
+            replicated over the expert-data-parallel ranks (expert TP is 1; the EP group may span
+            the dense TP ranks)."""
             axis = len(sharded_offsets)
             out = {}
             for name in ("fc1", "fc2"):
@@ -408,7 +481,7 @@ def grouped_experts_class():
                     getattr(self, name),
                     *sharded_offsets,
                     (axis, self.ep_group.rank(), self.ep_group.size()),
-                    replica_id=(0, self.tp_group.rank(), self.expt_dp_group.rank()),
+                    replica_id=(0, self.expt_tp_group.rank(), self.expt_dp_group.rank()),
                     prepend_axis_num=axis,
                 )
             return out

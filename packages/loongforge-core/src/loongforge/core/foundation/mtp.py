@@ -13,10 +13,11 @@ sum over tokens like the main loss (so normalized by the same global weight).
 
 Layouts (as megatron-core places its own MTP block): the modules live on the last pipeline
 stage, which holds a copy of the first stage's word embedding for their input (kept equal
-through the embedding group, like tied embeddings; built by spec's GPT model). Every piece is
-tensor-parallel the way the decoder is: the layer is a decoder layer, `eh_proj` and the norms are
-replicated, and the loss is the model's own (the fused linear + cross-entropy at TP=1, the
-vocab-parallel output layer and cross-entropy at TP > 1).
+through the embedding group, like tied embeddings; built by spec's GPT model). With tied
+embeddings that one copy is the output layer's weight too, so its gradient sums every use.
+Every piece is tensor-parallel the way the decoder is: the layer is a decoder layer, `eh_proj`
+and the norms are replicated, and the loss is the model's own (the fused linear + cross-entropy
+at TP=1, the vocab-parallel output layer and cross-entropy at TP > 1).
 
 HF's DeepseekV3ForCausalLM has no MTP modules (it skips their weights); LoongForge reads and
 writes them in the DeepSeek-V3 checkpoint layout: `model.layers.{num_layers + k - 1}.*`.

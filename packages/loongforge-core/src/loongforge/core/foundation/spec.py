@@ -192,7 +192,16 @@ class FamilySpec:
         )
 
 
-def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.dtype, recompute: bool, ep: int = 1):
+def transformer_config(
+    cfg: ModelConfig,
+    tp: int,
+    pp: int,
+    params_dtype: torch.dtype,
+    recompute: bool,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    moe_token_dispatcher_type: str = "allgather",
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = dict(
@@ -217,6 +226,7 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.d
         pipeline_dtype=params_dtype,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -246,7 +256,7 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, params_dtype: torch.d
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff if cfg.moe_aux_loss_type != "none" else 0.0,
             moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
             moe_expert_capacity_factor=cfg.moe_capacity_factor,
-            moe_token_dispatcher_type="allgather",
+            moe_token_dispatcher_type=moe_token_dispatcher_type,
             moe_layer_freq=[int(cfg.layer_kind(i) == "moe") for i in range(cfg.num_layers)],
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
@@ -299,7 +309,7 @@ def layer_spec(cfg: ModelConfig, ops: OpTable, ctx, lora=None):
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
     norm = ModuleSpec(module=RMSNorm, params={"ops": ops})
-    qk_norm = norm if cfg.qk_norm else IdentityOp
+    qk_norm = ModuleSpec(module=RMSNorm, params={"ops": ops, "per_head": True}) if cfg.qk_norm else IdentityOp
 
     if cfg.kv_lora_rank:
         from loongforge.core.foundation.mla import MLADims, MLASubmodules, ReplicatedLinear, mla_attention_class, mla_rope
@@ -396,7 +406,7 @@ def gpt_model_class():
     one op-table call (`linear_cross_entropy`: fused implementations never hold the logits); a
     vocab-parallel output layer keeps megatron's own cross-entropy. With multi-token prediction
     (foundation.mtp, on the last stage) a pipeline's last stage holds a copy of the word
-    embedding, as megatron-core's MTP does. A factory, so that importing this module does not
+    embedding, as megatron-core's MTP does (with tied embeddings, the output layer's weight). A factory, so that importing this module does not
     import megatron-core."""
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
     from megatron.core.models.gpt import GPTModel
@@ -411,16 +421,37 @@ def gpt_model_class():
             if mtp_num_layers and self.pp_group.size() > 1:
                 self._share_embedding_with_mtp()
 
-        def _share_embedding_with_mtp(self) -> None:
-            """The MTP modules embed on the last stage: it gets a copy of the first stage's word
-            embedding, started equal to it and kept equal by the embedding group's gradient
-            all-reduce (the `shared_embedding` mark; `shared`: counted once in the norm)."""
+        def setup_embeddings_and_output_layer(self) -> None:
+            """megatron's, but the all-reduce that starts a tied last-stage copy equal to the
+            first stage's embedding runs on the accelerator's device (megatron's moves the weight
+            to CUDA, which a CPU run has not)."""
+            group, self.embd_group = self.embd_group, None  # (megatron skips the all-reduce without a group)
+            try:
+                super().setup_embeddings_and_output_layer()
+            finally:
+                self.embd_group = group
+            if self.share_embeddings_and_output_weights and self.pp_group.size() > 1 and (self.pre_process or self.post_process):
+                self._copy_first_stage_embedding(self.shared_embedding_or_output_weight())
+
+        def _copy_first_stage_embedding(self, weight) -> None:
+            """The first stage's word embedding into the last stage's zeroed copy of it (both
+            stages call this: a sum over the embedding group)."""
             import torch.distributed as dist
             from loongforge.core.accelerator import active_accelerator
 
-            if self.pre_process:
-                weight = self.embedding.word_embeddings.weight
-            elif self.post_process:
+            acc = active_accelerator()
+            buf = weight.data.to(acc.device() if acc is not None else weight.device)  # (NCCL reduces device tensors only)
+            dist.all_reduce(buf, group=self.embd_group)
+            weight.data.copy_(buf)
+
+        def _share_embedding_with_mtp(self) -> None:
+            """The MTP modules embed on the last stage: it gets a copy of the first stage's word
+            embedding, started equal to it and kept equal by the embedding group's gradient
+            all-reduce (the `shared_embedding` mark; `shared`: counted once in the norm). With
+            tied embeddings the output weight is that copy already: it moves into the embedding,
+            one tensor serving both uses (megatron-core's layout at its MTP stage), so the one
+            all-reduce sums the gradients of every use."""
+            if self.post_process and not self.pre_process:
                 with torch.random.fork_rng(devices=[]):  # its init draws leave the run's RNG as it was
                     self.embedding = LanguageModelEmbedding(
                         config=self.config,
@@ -429,16 +460,37 @@ def gpt_model_class():
                         position_embedding_type="none",
                         tp_group=self.pg_collection.tp,
                     )
+                if self.share_embeddings_and_output_weights:  # (zeroed, marked and started equal by the setup)
+                    self.embedding.word_embeddings.weight = self.output_layer.weight
+                    self.output_layer.weight = None
+                    return
                 weight = self.embedding.word_embeddings.weight
                 weight.shared = True
                 weight.data.zero_()
+            elif self.pre_process and not self.share_embeddings_and_output_weights:
+                weight = self.embedding.word_embeddings.weight
             else:
                 return
             weight.shared_embedding = True
-            acc = active_accelerator()
-            buf = weight.data.to(acc.device() if acc is not None else weight.device)  # (NCCL reduces device tensors only)
-            dist.all_reduce(buf, group=self.embd_group)
-            weight.data.copy_(buf)
+            self._copy_first_stage_embedding(weight)
+
+        def _embedding_is_output_weight(self) -> bool:
+            """A last stage of MTP with tied embeddings: its embedding copy is the output weight."""
+            return self.post_process and not self.pre_process and self.output_layer.weight is None
+
+        def shared_embedding_or_output_weight(self):
+            if self._embedding_is_output_weight():
+                return self.embedding.word_embeddings.weight
+            return super().shared_embedding_or_output_weight()
+
+        def tie_embeddings_and_output_weights_state_dict(
+            self, sharded_state_dict, output_layer_weight_key, first_stage_word_emb_key, metadata=None
+        ):
+            if self._embedding_is_output_weight():
+                return  # no output weight to tie: the embedding copy (a replica, in sharded_state_dict below) serves as it
+            super().tie_embeddings_and_output_weights_state_dict(
+                sharded_state_dict, output_layer_weight_key, first_stage_word_emb_key, metadata
+            )
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
             metadata = ensure_metadata_has_dp_cp_group(metadata)
@@ -487,7 +539,7 @@ def gpt_model_class():
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 
-def validate_moe(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> None:
+def validate_moe(cfg: ModelConfig, ep: int = 1, tp: int = 1, sequence_parallel: bool = False) -> None:
     """The MoE options against each other and the layout: one UserError naming the key."""
     if not cfg.num_experts:
         if ep > 1:
@@ -501,10 +553,10 @@ def validate_moe(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> None:
         raise UserError(
             f"parallel.expert_model_parallel_size={ep} does not divide model.num_experts={cfg.num_experts}; choose a divisor of {cfg.num_experts}"
         )
-    if tp > 1:
+    if tp > 1 and not sequence_parallel:
         raise UserError(
-            f"parallel.tensor_model_parallel_size={tp}: MoE models run at tensor_model_parallel_size=1 for now "
-            "(split the experts with parallel.expert_model_parallel_size)"
+            f"parallel.tensor_model_parallel_size={tp}: a MoE model at tensor_model_parallel_size > 1 needs "
+            "parallel.sequence_parallel=true (megatron-core's MoE layer routes each TP rank's share of the sequence)"
         )
     if cfg.moe_layer_step < 1:
         raise UserError(f"model.moe_layer_step={cfg.moe_layer_step} must be at least 1")
@@ -543,24 +595,30 @@ def validate_moe(cfg: ModelConfig, ep: int = 1, tp: int = 1) -> None:
         raise UserError(f"model.moe_shared_experts={cfg.moe_shared_experts} must be at least 0")
 
 
-def build_gpt_model(cfg: ModelConfig, ctx, ops: OpTable | None = None, params_dtype=torch.float32, recompute: bool = False, lora=None):
+def build_gpt_model(
+    cfg: ModelConfig,
+    ctx,
+    ops: OpTable | None = None,
+    params_dtype=torch.float32,
+    recompute: bool = False,
+    lora=None,
+    moe_token_dispatcher_type: str = "allgather",
+):
     """Build this rank's pipeline stage of the model on the CPU (megatron's CPU init makes the
     weights independent of the TP layout); the caller moves it to the device. With `lora` (an
-    enabled LoRAConfig) the targeted linears carry adapters and everything else is frozen."""
+    enabled LoRAConfig) the targeted linears carry adapters and everything else is frozen.
+    `moe_token_dispatcher_type`: `parallel.moe_token_dispatcher_type` (allgather | alltoall)."""
     if cfg.num_layers % ctx.pp_size:
         raise UserError(f"model.num_layers={cfg.num_layers} must be divisible by pipeline_model_parallel_size={ctx.pp_size}")
     for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups)):
         if n % ctx.tp_size:
             raise UserError(f"model.{name}={n} must be divisible by tensor_model_parallel_size={ctx.tp_size}")
-    validate_moe(cfg, ctx.ep_size, ctx.tp_size)
-    if cfg.mtp_num_layers and cfg.tie_word_embeddings and ctx.pp_size > 1:
-        raise UserError(
-            f"model.mtp_num_layers={cfg.mtp_num_layers} with model.tie_word_embeddings=true runs at pipeline_model_parallel_size=1 "
-            "(untie the embeddings or set pipeline_model_parallel_size=1)"
-        )
+    validate_moe(cfg, ctx.ep_size, ctx.tp_size, ctx.sequence_parallel)
     ops = ops or OpTable()
     per_stage = cfg.num_layers // ctx.pp_size
-    config = transformer_config(cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute, ctx.ep_size)
+    config = transformer_config(
+        cfg, ctx.tp_size, ctx.pp_size, params_dtype, recompute, ctx.ep_size, ctx.sequence_parallel, moe_token_dispatcher_type
+    )
     mtp = None
     if cfg.mtp_num_layers and ctx.is_last_stage:  # (megatron-core's placement)
         from loongforge.core.foundation.mtp import mtp_class

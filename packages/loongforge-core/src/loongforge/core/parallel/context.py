@@ -48,6 +48,10 @@ class ParallelContext:
     ep_group: object = None  # ranks that split one layer's experts
     expt_dp_group: object = None  # ranks holding the same experts (their gradients are averaged over it)
     expt_mp_group: object = None  # expert x pipeline ranks: the expert gradients' share of the global norm
+    # megatron-core's sequence parallelism (TP > 1): activations outside the parallel linears hold
+    # 1/TP of the sequence, and the parameters that see them sum their gradients over TP
+    sequence_parallel: bool = False
+    tp_dp_group: object = None  # tensor x data ranks: token counts of a step (MoE routing under sequence parallelism)
 
     @property
     def ep_size(self) -> int:
@@ -77,6 +81,8 @@ class ParallelContext:
         ep_group=None,
         expt_dp_group=None,
         expt_mp_group=None,
+        sequence_parallel: bool = False,
+        tp_dp_group=None,
     ) -> "ParallelContext":
         """The context of explicit groups (this rank a member of each): sizes and ranks read from them."""
         if dist.get_world_size(cp_group) != 1:
@@ -98,6 +104,8 @@ class ParallelContext:
             ep_group=ep_group,
             expt_dp_group=expt_dp_group,
             expt_mp_group=expt_mp_group,
+            sequence_parallel=sequence_parallel and dist.get_world_size(tp_group) > 1,
+            tp_dp_group=tp_dp_group,
         )
 
     @property
@@ -119,19 +127,21 @@ class ParallelContext:
     @cached_property
     def _pgs(self):
         """megatron-core's group collection of this context's groups. With no context parallelism
-        the CP variants are the plain groups (cp: this rank alone); without expert parallelism
-        ep is this rank alone and the expert variants are the dense ones. What the dense GPTModel
-        path reads: tp, pp, cp, embd (embeddings, attention, MLP, parallel linears, the block's
-        layer offsets); MoE layers read ep, expt_tp (this rank alone: experts are never
+        the CP variants are the plain groups (cp: this rank alone); without expert groups (EP = 1
+        and TP = 1) ep is this rank alone and the expert variants are the dense ones. What the
+        dense GPTModel path reads: tp, pp, cp, embd (embeddings, attention, MLP, parallel linears,
+        the block's layer offsets); MoE layers read ep, expt_tp (this rank alone: experts are never
         tensor-parallel), tp_ep (the ranks a token dispatcher gathers over: ep, as expert TP is
-        1), expt_dp and tp_dp_cp (the global aux loss's token counts: dp, as MoE runs at TP=1);
-        megatron's DDP helpers also take dp, dp_cp, mp, tp_ep_pp. Left unset: hcp (hierarchical
-        CP), tp_dp_cp at TP > 1, and the distributed-optimizer instance groups."""
+        1), expt_dp, tp_cp (aux-loss token counts of a sequence split by sequence parallelism) and
+        tp_dp_cp (the global aux loss's token counts); megatron's DDP helpers also take dp, dp_cp,
+        mp, tp_ep_pp. Left unset: hcp (hierarchical CP), tp_dp_cp in a component context at
+        TP > 1, and the distributed-optimizer instance groups."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         tp, dp, mp, one = self.tp_group, self.dp_group, self.mp_group, self.cp_group
         ep = self.ep_group if self.ep_group is not None else one
-        extra = {"tp_dp_cp": dp} if self.tp_size == 1 else {}
+        tp_dp = dp if self.tp_size == 1 else self.tp_dp_group
+        extra = {"tp_dp_cp": tp_dp} if tp_dp is not None else {}
         return ProcessGroupCollection(
             **extra,
             tp=tp,
@@ -165,10 +175,12 @@ class ParallelContext:
         }
 
 
-def init_parallel(tp: int, pp: int, backend: str, device_type: str, ep: int = 1) -> ParallelContext:
+def init_parallel(tp: int, pp: int, backend: str, device_type: str, ep: int = 1, sequence_parallel: bool = False) -> ParallelContext:
     """Join (or create, for a single process) the default process group and lay out TP x PP x DP,
     and for MoE layers EP x expert-DP over the same ranks (experts are not tensor-parallel: each
-    pipeline stage's world / PP ranks split into EP groups).
+    pipeline stage's world / PP ranks split into EP groups). `sequence_parallel` (at TP > 1):
+    megatron-core's sequence parallelism; the expert groups then exist at EP = 1 too, as a MoE
+    layer's TP ranks route different tokens (their expert gradients sum over the expert-DP group).
 
     Multi-process runs are started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
     """
@@ -199,7 +211,8 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str, ep: int = 1)
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
         )
     stages = pp > 1
-    experts = ep > 1
+    sequence_parallel = sequence_parallel and tp > 1
+    experts = ep > 1 or sequence_parallel
     return ParallelContext.from_groups(
         ps.get_tensor_model_parallel_group(),
         ps.get_pipeline_model_parallel_group(),
@@ -211,6 +224,8 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str, ep: int = 1)
         ep_group=ps.get_expert_model_parallel_group() if experts else None,
         expt_dp_group=ps.get_expert_data_parallel_group() if experts else None,
         expt_mp_group=ps.get_expert_tensor_model_pipeline_parallel_group() if experts else None,
+        sequence_parallel=sequence_parallel,
+        tp_dp_group=ps.get_tensor_and_data_parallel_group() if tp > 1 else None,
     )
 
 

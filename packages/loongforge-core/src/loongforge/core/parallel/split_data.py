@@ -8,7 +8,9 @@ vision tower with each rank of the language model's TP group encoding some of a 
 `gather_rows`' backward hands each rank its own rows of the gradient, which every rank holds
 whole because the consumer is replicated; the parameters that made the rows then carry the
 gradient of their own rank's items only, so the stack sums them over the group
-(`SPLIT_DATA_ATTR` on a parameter).
+(`SPLIT_DATA_ATTR` on a parameter). Under megatron-core's sequence parallelism the same holds
+for the parameters it marks `sequence_parallel` (norms, routers): each TP rank applies them to
+its share of the sequence.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def sum_split_grads(params, group) -> None:
     parameter without a gradient on this rank, whose rank had no items, contributes zeros)."""
     from loongforge.core.stacks.grads import buckets
 
-    split = [p for p in params if getattr(p, SPLIT_DATA_ATTR, False)]
+    split = [p for p in params if getattr(p, SPLIT_DATA_ATTR, False) or getattr(p, "sequence_parallel", False)]
     for p in split:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -56,13 +56,19 @@ def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype, context
             acc.backend,
             acc.device_type,
             ep=par.expert_model_parallel_size,
+            sequence_parallel=par.sequence_parallel,
         )
         check_batch_sizes(train_cfg, ctx.dp_size)
         return MegatronStack(ctx, acc, params_dtype, train_cfg.master_weights, expert_replication(par, ctx.ep_size)), ctx
-    if par.tensor_model_parallel_size != 1 or par.pipeline_model_parallel_size != 1 or par.expert_model_parallel_size != 1:
+    if (
+        par.tensor_model_parallel_size != 1
+        or par.pipeline_model_parallel_size != 1
+        or par.expert_model_parallel_size != 1
+        or par.sequence_parallel
+    ):
         raise UserError(
             "parallel.stack=torch has data parallelism only: set tensor_model_parallel_size=1, "
-            "pipeline_model_parallel_size=1 and expert_model_parallel_size=1, or use parallel.stack=megatron"
+            "pipeline_model_parallel_size=1, expert_model_parallel_size=1 and sequence_parallel=false, or use parallel.stack=megatron"
         )
     from loongforge.core.parallel.distributed import init_process_group
     from loongforge.core.stacks.torch_native import TorchNativeStack

@@ -57,10 +57,14 @@ class MegatronStack(TrainStack):
             optimizer = build(param_groups(model.parameters()))
         self._trained = [p for g in optimizer.param_groups for p in g["params"]]
         # counted once in the global norm: not the second copy of a shared embedding, not a
-        # TP-replicated parameter on ranks other than TP rank 0
-        counted = [p for p in self._trained if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, self.ctx.tp_group)]
-        self._counted = [p for p in counted if not is_expert_param(p)]
-        self._counted_experts = [p for p in counted if is_expert_param(p)]
+        # TP-replicated parameter on ranks other than TP rank 0; with EP > 1 each routed expert
+        # lives on one rank of its EP group, whatever that rank's place in the TP group
+        counted = [p for p in self._trained if param_is_not_shared(p)]
+        self._counted = [p for p in counted if not is_expert_param(p) and param_is_not_tensor_parallel_duplicate(p, self.ctx.tp_group)]
+        experts = [p for p in counted if is_expert_param(p)]
+        if self.ctx.ep_size == 1:
+            experts = [p for p in experts if param_is_not_tensor_parallel_duplicate(p, self.ctx.tp_group)]
+        self._counted_experts = experts
         if self.params_dtype != torch.float32 and not self.master_weights:
             self.low = PureLowPrecision(model, optimizer, self.params_dtype)
         return optimizer
@@ -82,7 +86,7 @@ class MegatronStack(TrainStack):
 
     def finalize_grads(self, model, optimizer) -> None:
         ctx = self.ctx
-        if ctx.tp_size > 1:  # parts computed on a split of the TP group's data (a VLM's ViT)
+        if ctx.tp_size > 1:  # parts computed on a split of the TP group's data (a VLM's ViT, q/k norms, sequence parallelism)
             sum_split_grads(self._trained, ctx.tp_group)
         if ctx.pp_size > 1 and ctx.embedding_group is not None:
             for p in self._trained:
@@ -92,11 +96,14 @@ class MegatronStack(TrainStack):
         expert_grads = [p.grad for p in self._trained if p.grad is not None and is_expert_param(p)]
         if ctx.dp_size > 1:
             all_reduce_mean(grads, ctx.dp_group, ctx.dp_size)
+        if ctx.dp_size > 1 or dist.get_world_size(ctx.expert_dp_group) > 1:
             # a rank's expert gradients already sum over the tokens of its whole EP group (the
-            # dispatcher gathered them): summed over the ranks holding the same experts, they
-            # cover the global batch once; / dp_size makes them the mean the dense ones are
+            # dispatcher gathered them): summed over the ranks holding the same experts (with
+            # sequence parallelism at EP = 1 these include the TP ranks, each routing its share
+            # of the sequence), they cover the global batch once; / dp_size makes them the mean
+            # the dense ones are
             all_reduce_mean(expert_grads, ctx.expert_dp_group, ctx.dp_size)
-        finish_step(model, ctx.dp_group)
+        finish_step(model, ctx.tp_dp_group if ctx.sequence_parallel else ctx.dp_group)
         self._finalized += 1
         if self.expert_replication is not None and self._finalized % self.expert_replication[1] == 0:
             spare, _, per_node = self.expert_replication
