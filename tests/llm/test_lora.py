@@ -99,7 +99,12 @@ def test_resume_from_adapters_only_checkpoint(trained, rows_file, hf_llama4, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout", [["parallel.tensor_model_parallel_size=2"], ["parallel.pipeline_model_parallel_size=2", "train.recompute=true"]]
+    "layout",
+    [
+        ["parallel.tensor_model_parallel_size=2"],
+        ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+        ["parallel.pipeline_model_parallel_size=2", "train.recompute=true"],
+    ],
 )
 def test_two_process_lora_matches_single(layout, trained, rows_file, hf_llama4, tmp_path):
     r = _lora(rows_file, tmp_path, hf_llama4, "train.train_iters=4", "checkpoint.export_hf=false", *layout, nproc=2)

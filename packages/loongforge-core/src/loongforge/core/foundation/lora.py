@@ -158,7 +158,12 @@ def lora_linear_classes():
     """(LoRAColumnParallelLinear, LoRARowParallelLinear); a factory, so importing this module
     does not import megatron-core."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    )
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
     class _Adapters:
@@ -184,11 +189,16 @@ def lora_linear_classes():
             if self.gather_output:
                 raise ValueError("LoRA column-parallel linears do not gather their output")
             _init_adapters(self, lora, lora_name, input_size, output_size, "out")
+            if self.sequence_parallel:  # A projects this rank's share of the sequence: its gradient sums over TP
+                self.lora_a.sequence_parallel = True
 
         def forward(self, input_, weight=None, runtime_gather_output=None):
             out, bias = super().forward(input_, weight, runtime_gather_output)
             h = F.linear(self.lora_dropout(input_), self.lora_a)
-            h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+            if self.sequence_parallel:  # (the base linear gathered the sequence; so does the rank-r projection)
+                h = gather_from_sequence_parallel_region(h, group=self.tp_group)
+            else:
+                h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
             return out + F.linear(h, self.lora_b) * self.lora_scale, bias
 
     class LoRARowParallelLinear(_Adapters, RowParallelLinear):
@@ -199,11 +209,16 @@ def lora_linear_classes():
             if not self.input_is_parallel:
                 raise ValueError("LoRA row-parallel linears take an already split input")
             _init_adapters(self, lora, lora_name, input_size, output_size, "in")
+            if self.sequence_parallel:  # B projects this rank's share of the sequence: its gradient sums over TP
+                self.lora_b.sequence_parallel = True
 
         def forward(self, input_):
             out, bias = super().forward(input_)
             h = F.linear(self.lora_dropout(input_), self.lora_a)
-            h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+            if self.sequence_parallel:  # (the base linear reduce-scattered to the sequence share; so does the rank-r one)
+                h = reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+            else:
+                h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
             return out + F.linear(h, self.lora_b) * self.lora_scale, bias
 
     return LoRAColumnParallelLinear, LoRARowParallelLinear
