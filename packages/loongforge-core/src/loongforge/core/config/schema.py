@@ -45,7 +45,8 @@ class ParallelConfig:
     data_parallel_mode: str = "ddp"  # torch stack: ddp | zero1 (sharded optimizer state) | fsdp (fully_shard per block) | hsdp
     data_parallel_replicas: int = 1  # torch stack, hsdp: replica groups of the 2-D mesh (shards = world size / replicas)
     compile: bool = False  # torch stack: torch.compile every block
-    context_parallel_size: int = 1  # torch stack, recipes that support it (diffusion.wan): ranks that split each sample's tokens (Ulysses)
+    # torch stack, recipes that support it (diffusion.wan, diffusion.qwen_image): ranks that split each sample's tokens (Ulysses)
+    context_parallel_size: int = 1
     components: Dict[str, ComponentParallelConfig] = field(default_factory=dict)  # megatron stack: TP/PP per component (vision, ...)
 
     def validate(self, prefix: str = "parallel.") -> None:

@@ -44,7 +44,7 @@ def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype, context
     if par.context_parallel_size != 1 and (not context_parallel or par.stack != "torch"):
         raise UserError(
             f"parallel.context_parallel_size={par.context_parallel_size}: this recipe on parallel.stack={par.stack} has no "
-            "context parallelism; set it to 1 (diffusion.wan supports it on the torch stack)"
+            "context parallelism; set it to 1 (diffusion.wan and diffusion.qwen_image support it on the torch stack)"
         )
     if par.stack == "megatron":
         from loongforge.core.parallel import init_parallel
