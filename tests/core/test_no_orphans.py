@@ -49,8 +49,9 @@ def test_kill_after_checkpoint_leaves_no_processes(tmp_path):
         assert latest.exists(), f"no checkpoint (exit status {p.poll()})"
         os.kill(p.pid, signal.SIGKILL)  # the trainer alone, not its process group
         p.wait()
-        # the trainer's children notice its death by polling (the writer Manager every 0.2 s, data
-        # workers every 5 s) and then exit; on a loaded 2-core CI machine that took over 10 s once
+        # the trainer's children exit on their own: megatron's forked checkpoint writers once their
+        # write (with fsync) ends, the writer Manager within 0.2 s of the trainer's death; on a
+        # loaded 2-core CI machine that took over 10 s once
         deadline = time.time() + 60
         while (left := _session(p.pid)) and time.time() < deadline:
             time.sleep(0.1)
