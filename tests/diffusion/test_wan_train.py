@@ -393,7 +393,7 @@ def test_flow_matching_schedule():
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("parallel.stack=megatron", "diffusion models train on the torch stack"),
+        ("parallel.tensor_model_parallel_size=2", "parallel.stack=torch has data parallelism only"),
         ("data.root=/nonexistent/latents", "not a preprocessed latent directory"),
         ("flow.timestep_sampling=beta", "flow.timestep_sampling='beta': choose one of"),
         ("flow.shift=0", "flow.shift=0.0 must be positive"),

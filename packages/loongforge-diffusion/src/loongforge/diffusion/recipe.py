@@ -1,7 +1,8 @@
 """The `diffusion.wan` and `diffusion.qwen_image` recipes: a Wan video transformer or a
 Qwen-Image MMDiT trained by flow matching on preprocessed latents, with core's trainer on the
-torch-native stack (DDP, ZeRO-1, FSDP2, HSDP). The two differ in their checks, the data's family
-(the frozen encoders) and the task; the run is the same."""
+torch-native stack (DDP, ZeRO-1, FSDP2, HSDP; Ulysses context parallelism) or, for Wan, the
+megatron stack (tensor and data parallelism). The two families differ in their checks, the data's
+family (the frozen encoders) and the task; the run is the same."""
 
 from __future__ import annotations
 
@@ -46,8 +47,7 @@ def identity_frozen(cfg) -> dict:
 
 
 def validate(cfg) -> None:
-    if cfg.parallel.stack != "torch":
-        raise UserError(f"parallel.stack={cfg.parallel.stack}: diffusion models train on the torch stack; set parallel.stack=torch")
+    validate_parallel(cfg)
     if family(cfg) == "qwen_image":
         validate_qwen_image(cfg)
     else:
@@ -63,16 +63,40 @@ def validate(cfg) -> None:
             raise UserError(f"checkpoint.load={load}: expected a diffusers transformer directory (config.json + weights)")
 
 
-def validate_context_parallel(cfg) -> None:
-    """Ulysses splits the attention heads over the context-parallel group."""
-    cp, heads = cfg.parallel.context_parallel_size, cfg.model.num_attention_heads
+def validate_parallel(cfg) -> None:
+    """The torch stack: data and Ulysses context parallelism (which splits the attention heads
+    over the group); the megatron stack, for Wan: data and tensor parallelism (the heads and the
+    MLP's hidden units split over the TP group)."""
+    par, m = cfg.parallel, cfg.model
+    cp, heads = par.context_parallel_size, m.num_attention_heads
     if cp > 1 and heads % cp:
         raise UserError(f"parallel.context_parallel_size={cp} must divide model.num_attention_heads={heads}")
+    if par.stack != "megatron":
+        return
+    if family(cfg) == "qwen_image":
+        raise UserError("parallel.stack=megatron: Qwen-Image trains on the torch stack (data and context parallelism); set parallel.stack=torch")
+    for what, value, ok in (
+        ("pipeline_model_parallel_size", par.pipeline_model_parallel_size, 1),
+        ("expert_model_parallel_size", par.expert_model_parallel_size, 1),
+        ("context_parallel_size", cp, 1),
+        ("sequence_parallel", par.sequence_parallel, False),
+        ("data_parallel_mode", par.data_parallel_mode, "ddp"),
+        ("compile", par.compile, False),
+    ):
+        if value != ok:
+            raise UserError(
+                f"parallel.{what}={value}: diffusion models on the megatron stack have tensor and data parallelism only; "
+                f"set it to {ok} (context parallelism, FSDP and compile: parallel.stack=torch)"
+            )
+    tp = par.tensor_model_parallel_size
+    if heads % tp or m.ffn_dim % tp:
+        raise UserError(
+            f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads={heads} and model.ffn_dim={m.ffn_dim}"
+        )
 
 
 def validate_qwen_image(cfg) -> None:
     cfg.model.check()
-    validate_context_parallel(cfg)
     for what, value, default in (
         ("boundary_ratio", cfg.boundary_ratio, None),
         ("flow.first_frame_condition", cfg.flow.first_frame_condition, 0.0),
@@ -84,7 +108,6 @@ def validate_qwen_image(cfg) -> None:
 
 def validate_wan(cfg) -> None:
     cfg.model.check()
-    validate_context_parallel(cfg)
     if image_to_video(cfg):
         validate_i2v(cfg)
     elif cfg.frozen.image_encoder is not None:
@@ -164,7 +187,7 @@ def run(cfg) -> dict:
     validate(cfg)
     acc = get_accelerator()
     params_dtype = resolve_params_dtype(cfg.train.params_dtype, acc)
-    stack, _ = build_stack(cfg.parallel, cfg.train, acc, params_dtype, context_parallel=True)
+    stack, ctx = build_stack(cfg.parallel, cfg.train, acc, params_dtype, context_parallel=True)
     ops = OpTable.build(cfg.ops, registry(), acc.device_type)
     run_dir = Path(cfg.checkpoint.run_dir)
     identity = run_identity(
@@ -182,6 +205,9 @@ def run(cfg) -> dict:
     empty = load_file(str(run_dir / EMPTY_TEXT))["text"]
     load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
     task_cls = QwenImageTask if family(cfg) == "qwen_image" else WanTask
-    task = task_cls(cfg, dataset, empty, stack.data_rank, stack.data_size, acc.device(), ops, load, stack.cp_group)
+    # the megatron stack: the model splits over the TP group and recomputes its own blocks
+    tp_group = ctx.tp_group if ctx is not None and ctx.tp_size > 1 else None
+    recompute = ctx is not None and cfg.train.recompute
+    task = task_cls(cfg, dataset, empty, stack.data_rank, stack.data_size, acc.device(), ops, load, stack.cp_group, tp_group, recompute)
     trainer = Trainer(cfg.train, cfg.checkpoint, stack, acc, task, dataclasses.asdict(cfg), identity, ops)
     return trainer.run(start.resume_from, verified=True)

@@ -44,28 +44,42 @@ def pad_text(states: list[torch.Tensor], length: int) -> torch.Tensor:
     return torch.stack([F.pad(s[:length], (0, 0, 0, length - min(len(s), length))) for s in states])
 
 
-def build_transformer(cfg, ops=None) -> torch.nn.Module:
+def build_transformer(cfg, ops=None, tp_group=None) -> torch.nn.Module:
     """The run's transformer: a Qwen-Image MMDiT, one Wan transformer, or Wan2.2 A14B's two
-    (`boundary_ratio`)."""
+    (`boundary_ratio`); a Wan transformer split over `tp_group` (tensor parallel) where given."""
     from loongforge.diffusion.models.qwen_image import QwenImageConfig, QwenImageDiT
 
     if isinstance(cfg.model, QwenImageConfig):
         return QwenImageDiT(cfg.model, ops)
     if cfg.boundary_ratio is None:
-        return WanDiT(cfg.model, ops)
-    return WanExperts(cfg.model, cfg.boundary_ratio * cfg.flow.num_train_timesteps, ops)
+        return WanDiT(cfg.model, ops, tp_group)
+    return WanExperts(cfg.model, cfg.boundary_ratio * cfg.flow.num_train_timesteps, ops, tp_group)
 
 
 class WanTask(TrainingTask):
     unit = "samples"
 
     def __init__(
-        self, cfg, dataset, empty_text: torch.Tensor, data_rank: int, data_size: int, device, ops, load: Path | None = None, cp_group=None
+        self,
+        cfg,
+        dataset,
+        empty_text: torch.Tensor,
+        data_rank: int,
+        data_size: int,
+        device,
+        ops,
+        load: Path | None = None,
+        cp_group=None,
+        tp_group=None,
+        recompute: bool = False,
     ):
         """`data_rank` / `data_size`: this rank's share of the samples; `cp_group`: the ranks
-        that split each micro-batch's tokens with this one (Ulysses context parallel), or None."""
+        that split each micro-batch's tokens with this one (Ulysses context parallel), or None;
+        `tp_group`: the ranks the model's heads split over (tensor parallel, the megatron
+        stack), or None; `recompute`: the model recomputes each block (the megatron stack; the
+        torch stack does it itself)."""
         self.cfg, self.dataset, self.data_rank, self.data_size, self.device, self.ops = cfg, dataset, data_rank, data_size, device, ops
-        self.empty_text, self.load, self.cp_group = empty_text, load, cp_group
+        self.empty_text, self.load, self.cp_group, self.tp_group, self.recompute = empty_text, load, cp_group, tp_group, recompute
         self.order = DatasetMixture([dataset], [1.0], seed=cfg.data.seed)
         self.units_per_step = cfg.train.global_batch_size
         self.check_data(dataset)
@@ -108,7 +122,12 @@ class WanTask(TrainingTask):
             )
 
     def build_model(self) -> torch.nn.Module:
-        return build_transformer(self.cfg, self.ops).to(self.device)
+        from loongforge.core.stacks.torch_native import recompute_block
+
+        model = build_transformer(self.cfg, self.ops, self.tp_group).to(self.device)
+        for block in model.blocks() if self.recompute else ():
+            recompute_block(block)
+        return model
 
     def micro_batch(self, positions: list[int]) -> dict:
         items = [self.dataset.get(self.order.index(p)[1]) for p in positions]

@@ -109,41 +109,46 @@ def load_dcp(directory: Path, model, optimizer=None, optimizer_steps: int = 0, s
 
 
 def read_model_state(directory: Path, ema: bool = False) -> dict[str, torch.Tensor]:
-    """The whole model state of a `save_dcp` checkpoint as plain CPU tensors, keyed like
-    `model.state_dict()`, read by this process alone (no model, no process group needed;
-    collective-free even where one exists): for an HF export from any layout. `ema`: each
-    parameter the optimizer kept an EMA of (`train.ema_decay`) comes as that EMA, in the model's
-    dtype; an error if the checkpoint holds none."""
+    """The whole model state of a `save_dcp` checkpoint, or of a megatron-stack checkpoint of a
+    plain torch model (megatron-core's torch_dist format is DCP too, its keys unprefixed), as
+    plain CPU tensors keyed like `model.state_dict()`, read by this process alone (no model, no
+    process group needed; collective-free even where one exists): for an HF export from any
+    layout. `ema`: each parameter the optimizer kept an EMA of (`train.ema_decay`) comes as that
+    EMA, in the model's dtype; an error if the checkpoint holds none."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    model = {
-        k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in meta.items()
-        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
-    }
+    if (Path(directory) / "metadata.json").is_file():  # megatron-core's: model tensors by name, optimizer.state.<state>.<name>
+        names = {k: k for k in meta if not k.startswith("optimizer.")}
+        ema_key = "optimizer.state.ema.{}"
+    else:
+        names = {k: k.removeprefix("model.") for k in meta if k.startswith("model.")}
+        ema_key = "optimizer.state.{}.ema"
+    names = {k: n for k, n in names.items() if isinstance(meta[k], TensorStorageMetadata)}
+    model = {n: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k, n in names.items()}
     emas = {}
     if ema:
         emas = {
-            name: torch.empty(meta[key].size, dtype=meta[key].properties.dtype)
-            for name in model
-            if (key := f"optimizer.state.{name}.ema") in meta and isinstance(meta[key], TensorStorageMetadata)
+            ema_key.format(n): torch.empty(meta[key].size, dtype=meta[key].properties.dtype)
+            for n in model
+            if (key := ema_key.format(n)) in meta and isinstance(meta[key], TensorStorageMetadata)
         }
         if not emas:
             raise UserError(f"{directory}: the checkpoint holds no EMA weights (it was trained with train.ema_decay=0)")
     with warnings.catch_warnings():  # DCP notes that it loads in one process, which is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model, "optimizer": {f"state.{n}.ema": t for n, t in emas.items()}}, checkpoint_id=str(directory), no_dist=True)
-    for name, t in emas.items():
-        model[name] = t.to(model[name].dtype)
+        dcp.load({**{k: model[n] for k, n in names.items()}, **emas}, checkpoint_id=str(directory), no_dist=True)
+    for n in model:
+        if ema_key.format(n) in emas:
+            model[n] = emas[ema_key.format(n)].to(model[n].dtype)
     return model
 
 
 def read_run(run_dir: Path, config_cls, recipe: str, ema: bool | None = None, what: str = "read"):
     """(the run's config as `config_cls`, its newest checkpoint's whole model state) of a finished
-    or running torch-stack run of `recipe`, for inference and export. `ema`: the EMA of the weights
+    or running run of `recipe` (a plain torch model, either stack), for inference and export. `ema`: the EMA of the weights
     (`train.ema_decay`) or the trained weights; None: the EMA where the run kept one. `what` names
     the action in errors ("serve", "export", ...)."""
     from loongforge.core.checkpoint.layout import find_checkpoint, read_manifest, verify_files

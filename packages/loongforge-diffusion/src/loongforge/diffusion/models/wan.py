@@ -15,6 +15,11 @@ latents), so the module is a drop-in for the diffusers model.
 
 q/k/v of self-attention are one fused linear and k/v of cross-attention another (one GEMM
 each); `WAN_TABLE` maps them to diffusers' separate tensors.
+
+With a `tp_group` (tensor parallelism, the megatron stack) each rank keeps its share of the
+heads of both attentions and of the MLP's hidden units (`core.parallel.tensor_parallel`): the
+q/k RMSNorms across heads sum their squares over the group, the output projections sum their
+partial products; the embeddings, modulation and output projection stay whole on every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import Row
 from loongforge.core.ops import OpTable
+from loongforge.core.parallel import tensor_parallel as tp
 from loongforge.core.parallel.ulysses import heads_to_seq, local_range, padded_range, seq_to_heads
 from torch import nn
 
@@ -275,20 +281,42 @@ class MLP2(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class SelfAttention(nn.Module):
+class HeadNorms:
+    """What Wan's attentions share: q/k RMSNorm across all heads, on one rank or on a TP rank's
+    share of the heads (`tp_group`), and the heads this rank holds."""
+
+    def _setup(self, cfg: WanConfig, ops: OpTable) -> None:
+        self.heads, self.eps, self.ops, self.width, self.tp_group = cfg.num_attention_heads, cfg.eps, ops, cfg.hidden_size, None
+
+    def head_norm(self, x: torch.Tensor, norm: "RMSWeight") -> torch.Tensor:
+        if self.tp_group is None:
+            return self.ops.rms_norm(x, norm.weight, self.eps)
+        return tp.rms_norm(x, norm.weight, self.eps, self.tp_group, self.width)
+
+
+class SelfAttention(nn.Module, HeadNorms):
     def __init__(self, cfg: WanConfig, ops: OpTable):
         super().__init__()
         d = cfg.hidden_size
-        self.heads, self.eps, self.ops = cfg.num_attention_heads, cfg.eps, ops
+        self._setup(cfg, ops)
         self.qkv = nn.Linear(d, 3 * d)
         self.norm_q, self.norm_k = RMSWeight(d), RMSWeight(d)
         self.out = nn.Linear(d, d)
 
+    def shard(self, group) -> None:
+        """Keep this TP rank's share of the heads."""
+        tp.shard_linear(self.qkv, group, 0, chunks=3)
+        tp.shard_linear(self.out, group, 1)
+        for norm in (self.norm_q, self.norm_k):
+            norm.weight = tp.shard_param(norm.weight, group, 0)
+        self.heads //= torch.distributed.get_world_size(group)
+        self.tp_group = group
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pack: Pack) -> torch.Tensor:
-        t, d = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        q = self.ops.rms_norm(q, self.norm_q.weight, self.eps).view(t, self.heads, -1)
-        k = self.ops.rms_norm(k, self.norm_k.weight, self.eps).view(t, self.heads, -1)
+        t = x.shape[0]
+        q, k, v = self.qkv(tp.column_input(x, self.tp_group)).chunk(3, dim=-1)
+        q = self.head_norm(q, self.norm_q).view(t, self.heads, -1)
+        k = self.head_norm(k, self.norm_k).view(t, self.heads, -1)
         q, k = self.ops.rotary(q, k, cos, sin, True)
         v = v.reshape(t, self.heads, -1)
         if pack.cp_group is not None:  # every token of the row, for this rank's share of the heads
@@ -296,25 +324,40 @@ class SelfAttention(nn.Module):
         o = self.ops.packed_attention(q, k, v, pack.cu_seqlens, pack.cu_seqlens, None, pack.max_len, pack.max_len)
         if pack.cp_group is not None:
             o = heads_to_seq(o, pack.cp_group)
-        return self.out(o.reshape(t, d))
+        return tp.row_linear(self.out, o.reshape(t, -1), self.tp_group)
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(nn.Module, HeadNorms):
     def __init__(self, cfg: WanConfig, ops: OpTable):
         super().__init__()
         d = cfg.hidden_size
-        self.heads, self.eps, self.ops = cfg.num_attention_heads, cfg.eps, ops
+        self._setup(cfg, ops)
         self.q, self.kv = nn.Linear(d, d), nn.Linear(d, 2 * d)
         self.norm_q, self.norm_k = RMSWeight(d), RMSWeight(d)
+        self.image_kv = None
         if cfg.image_dim is not None:  # image-to-video: the image features' own k / v
             self.image_kv, self.norm_image_k = nn.Linear(d, 2 * d), RMSWeight(d)
         self.out = nn.Linear(d, d)
 
+    def shard(self, group) -> None:
+        """Keep this TP rank's share of the heads."""
+        tp.shard_linear(self.q, group, 0)
+        tp.shard_linear(self.kv, group, 0, chunks=2)
+        norms = [self.norm_q, self.norm_k]
+        if self.image_kv is not None:
+            tp.shard_linear(self.image_kv, group, 0, chunks=2)
+            norms.append(self.norm_image_k)
+        for norm in norms:
+            norm.weight = tp.shard_param(norm.weight, group, 0)
+        tp.shard_linear(self.out, group, 1)
+        self.heads //= torch.distributed.get_world_size(group)
+        self.tp_group = group
+
     def _attend(self, q, kv: nn.Linear, norm_k: RMSWeight, context, pack: Pack):
         """q's attention to each sample's whole context [samples, context_len, hidden]."""
         n, c, d = context.shape
-        k, v = kv(context.reshape(n * c, d)).chunk(2, dim=-1)
-        k = self.ops.rms_norm(k, norm_k.weight, self.eps).view(n * c, self.heads, -1)
+        k, v = kv(tp.column_input(context.reshape(n * c, d), self.tp_group)).chunk(2, dim=-1)
+        k = self.head_norm(k, norm_k).view(n * c, self.heads, -1)
         cu_k = torch.arange(0, (n + 1) * c, c, device=q.device, dtype=torch.int32)
         return self.ops.packed_attention(q, k, v.reshape(n * c, self.heads, -1), pack.local_cu, cu_k, None, pack.max_len, c)
 
@@ -322,12 +365,12 @@ class CrossAttention(nn.Module):
         """x: [tokens, hidden]; context: [samples, context_len, hidden], every sample's whole
         context attended (Wan pads the text states to a fixed length and attends to all of it);
         image_context (image-to-video): the projected image features, attended apart and added."""
-        t, d = x.shape
-        q = self.ops.rms_norm(self.q(x), self.norm_q.weight, self.eps).view(t, self.heads, -1)
+        t = x.shape[0]
+        q = self.head_norm(self.q(tp.column_input(x, self.tp_group)), self.norm_q).view(t, self.heads, -1)
         o = self._attend(q, self.kv, self.norm_k, context, pack)
         if image_context is not None:
             o = o + self._attend(q, self.image_kv, self.norm_image_k, image_context, pack)
-        return self.out(o.reshape(t, d))
+        return tp.row_linear(self.out, o.reshape(t, -1), self.tp_group)
 
 
 class ImageEmbedding(nn.Module):
@@ -367,6 +410,15 @@ class WanBlock(nn.Module):
         self.cross_norm = nn.LayerNorm(d, eps=cfg.eps) if cfg.cross_attn_norm else None
         self.cross_attn = CrossAttention(cfg, ops)
         self.fc1, self.fc2 = nn.Linear(d, cfg.ffn_dim), nn.Linear(cfg.ffn_dim, d)
+        self.tp_group = None
+
+    def shard(self, group) -> None:
+        """Keep this TP rank's share of the attentions' heads and of the MLP's hidden units."""
+        self.self_attn.shard(group)
+        self.cross_attn.shard(group)
+        tp.shard_linear(self.fc1, group, 0)
+        tp.shard_linear(self.fc2, group, 1)
+        self.tp_group = group
 
     def forward(self, x, context, time_mod, cos, sin, pack: Pack, image_context=None):
         """time_mod: [samples or tokens, 6, hidden] (fp32), the block's shift/scale/gate inputs."""
@@ -381,15 +433,16 @@ class WanBlock(nn.Module):
             h = x
         x = x + self.cross_attn(h, context, pack, image_context)
         h = modulate(F.layer_norm(x.float(), (d,), eps=self.eps), c_shift, c_scale, pack).type_as(x)
-        ff = self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+        ff = tp.row_linear(self.fc2, F.gelu(self.fc1(tp.column_input(h, self.tp_group)), approximate="tanh"), self.tp_group)
         return (x.float() + ff.float() * _per_token(c_gate, pack)).type_as(x)
 
 
-class WanDiT(nn.Module):
+class WanDiT(tp.MegatronCheckpointable, nn.Module):
     """`model(patches, pack, timestep, context)`: samples of any sizes in one pack (`patchify`);
-    `predict(model, ...)` takes diffusers' arguments."""
+    `predict(model, ...)` takes diffusers' arguments. `tp_group`: the model is built whole (the
+    same seed on every rank gives the same weights), then each block keeps this rank's share."""
 
-    def __init__(self, cfg: WanConfig, ops: OpTable | None = None):
+    def __init__(self, cfg: WanConfig, ops: OpTable | None = None, tp_group=None):
         super().__init__()
         cfg.check()
         ops = ops or OpTable()
@@ -404,6 +457,9 @@ class WanDiT(nn.Module):
         self.layers = nn.ModuleList(WanBlock(cfg, ops) for _ in range(cfg.num_layers))
         self.proj_out = nn.Linear(d, cfg.out_channels * cfg.patch_volume)
         self.out_modulation = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
+        if tp_group is not None:
+            for block in self.layers:
+                block.shard(tp_group)
 
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks: the unit of FSDP sharding and activation recompute."""
@@ -470,7 +526,7 @@ class WanDiT(nn.Module):
         return self.proj_out(x[: max(0, min(pack.end, total) - pack.start)])
 
 
-class WanExperts(nn.Module):
+class WanExperts(tp.MegatronCheckpointable, nn.Module):
     """Wan2.2 A14B's two transformers of one shape: `high` denoises times t >= boundary (the
     high-noise stages), `low` the rest, as WanPipeline's `transformer` / `transformer_2` with
     `boundary_ratio`. Called like `WanDiT`: each sample of the pack goes to its expert by its time,
@@ -479,10 +535,10 @@ class WanExperts(nn.Module):
     whatever its samples' times. Under context parallelism each expert splits its own samples'
     tokens over the group (the group's ranks hold the same samples and times, so route alike)."""
 
-    def __init__(self, cfg: WanConfig, boundary: float, ops: OpTable | None = None):
+    def __init__(self, cfg: WanConfig, boundary: float, ops: OpTable | None = None, tp_group=None):
         super().__init__()
         self.cfg, self.boundary = cfg, boundary
-        self.high, self.low = WanDiT(cfg, ops), WanDiT(cfg, ops)
+        self.high, self.low = WanDiT(cfg, ops, tp_group), WanDiT(cfg, ops, tp_group)
 
     def blocks(self) -> list[nn.Module]:
         return self.high.blocks() + self.low.blocks()
