@@ -203,7 +203,7 @@ def test_demo_trains_generates_and_converts(tmp_path):
     [
         ("parallel.context_parallel_size=3", "parallel.context_parallel_size=3 must divide model.num_attention_heads=4"),
         ("boundary_ratio=0.5", "boundary_ratio=0.5"),
-        ("parallel.stack=megatron", "parallel.stack=megatron: Qwen-Image trains on the torch stack"),
+        ("parallel.tensor_model_parallel_size=2", "parallel.stack=torch has data parallelism only"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, override, message):

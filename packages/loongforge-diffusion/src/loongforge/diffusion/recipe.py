@@ -1,7 +1,7 @@
 """The `diffusion.wan` and `diffusion.qwen_image` recipes: a Wan video transformer or a
 Qwen-Image MMDiT trained by flow matching on preprocessed latents, with core's trainer on the
-torch-native stack (DDP, ZeRO-1, FSDP2, HSDP; Ulysses context parallelism) or, for Wan, the
-megatron stack (tensor and data parallelism). The two families differ in their checks, the data's
+torch-native stack (DDP, ZeRO-1, FSDP2, HSDP; Ulysses context parallelism) or the megatron
+stack (tensor and data parallelism). The two families differ in their checks, the data's
 family (the frozen encoders) and the task; the run is the same."""
 
 from __future__ import annotations
@@ -65,16 +65,14 @@ def validate(cfg) -> None:
 
 def validate_parallel(cfg) -> None:
     """The torch stack: data and Ulysses context parallelism (which splits the attention heads
-    over the group); the megatron stack, for Wan: data and tensor parallelism (the heads and the
-    MLP's hidden units split over the TP group)."""
+    over the group); the megatron stack: data and tensor parallelism (the heads and the MLPs'
+    hidden units split over the TP group)."""
     par, m = cfg.parallel, cfg.model
     cp, heads = par.context_parallel_size, m.num_attention_heads
     if cp > 1 and heads % cp:
         raise UserError(f"parallel.context_parallel_size={cp} must divide model.num_attention_heads={heads}")
     if par.stack != "megatron":
         return
-    if family(cfg) == "qwen_image":
-        raise UserError("parallel.stack=megatron: Qwen-Image trains on the torch stack (data and context parallelism); set parallel.stack=torch")
     for what, value, ok in (
         ("pipeline_model_parallel_size", par.pipeline_model_parallel_size, 1),
         ("expert_model_parallel_size", par.expert_model_parallel_size, 1),
@@ -89,10 +87,10 @@ def validate_parallel(cfg) -> None:
                 f"set it to {ok} (context parallelism, FSDP and compile: parallel.stack=torch)"
             )
     tp = par.tensor_model_parallel_size
-    if heads % tp or m.ffn_dim % tp:
-        raise UserError(
-            f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads={heads} and model.ffn_dim={m.ffn_dim}"
-        )
+    if heads % tp:
+        raise UserError(f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads={heads}")
+    if getattr(m, "ffn_dim", 0) % tp:  # Wan's (Qwen-Image's MLPs are 4 x hidden)
+        raise UserError(f"parallel.tensor_model_parallel_size={tp} must divide model.ffn_dim={m.ffn_dim}")
 
 
 def validate_qwen_image(cfg) -> None:

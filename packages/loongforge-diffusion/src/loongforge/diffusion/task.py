@@ -46,11 +46,11 @@ def pad_text(states: list[torch.Tensor], length: int) -> torch.Tensor:
 
 def build_transformer(cfg, ops=None, tp_group=None) -> torch.nn.Module:
     """The run's transformer: a Qwen-Image MMDiT, one Wan transformer, or Wan2.2 A14B's two
-    (`boundary_ratio`); a Wan transformer split over `tp_group` (tensor parallel) where given."""
+    (`boundary_ratio`), split over `tp_group` (tensor parallel) where given."""
     from loongforge.diffusion.models.qwen_image import QwenImageConfig, QwenImageDiT
 
     if isinstance(cfg.model, QwenImageConfig):
-        return QwenImageDiT(cfg.model, ops)
+        return QwenImageDiT(cfg.model, ops, tp_group)
     if cfg.boundary_ratio is None:
         return WanDiT(cfg.model, ops, tp_group)
     return WanExperts(cfg.model, cfg.boundary_ratio * cfg.flow.num_train_timesteps, ops, tp_group)

@@ -12,6 +12,9 @@ sample in one row, the real text tokens in another, each sample's joint attentio
 text and image tokens only (op `packed_attention`). Padded text positions are dropped, which is
 what diffusers' text mask computes.
 
+With a `tp_group` (tensor parallelism, the megatron stack) each rank keeps its share of both
+streams' heads and MLP units (`core.parallel.tensor_parallel`).
+
 Under Ulysses context parallelism each rank holds a slice of the image row and the whole (short)
 text stream: the joint attention gets every image token by all-to-all and the text tokens' share
 of the heads by a slice, and the text outputs' heads are gathered back onto every rank.
@@ -28,6 +31,8 @@ import torch.nn.functional as F
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import Row
 from loongforge.core.ops import OpTable
+from loongforge.core.parallel import tensor_parallel as tp
+from loongforge.core.parallel.split_data import SPLIT_DATA_ATTR
 from loongforge.core.parallel.ulysses import gather_heads, head_share, heads_to_seq, padded_range, seq_to_heads
 from loongforge.diffusion.models.wan import MLP2, RMSWeight, diffusers_fields, lens_in, sample_rows, timestep_features
 from torch import nn
@@ -176,7 +181,7 @@ class JointBlock(nn.Module):
     def __init__(self, cfg: QwenImageConfig, ops: OpTable):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.attention_head_dim
-        self.heads, self.ops = cfg.num_attention_heads, ops
+        self.heads, self.ops, self.tp_group = cfg.num_attention_heads, ops, None
         for s in ("img", "txt"):
             setattr(self, f"{s}_mod", nn.Linear(d, 6 * d))
             setattr(self, f"{s}_qkv", nn.Linear(d, 3 * d))
@@ -186,9 +191,23 @@ class JointBlock(nn.Module):
             setattr(self, f"{s}_fc1", nn.Linear(d, 4 * d))
             setattr(self, f"{s}_fc2", nn.Linear(4 * d, d))
 
+    def shard(self, group) -> None:
+        """Keep this TP rank's share of the heads and of the MLPs' hidden units (both streams). The
+        per-head q/k norms stay whole, applied to this rank's heads only: their gradients are
+        summed over the group (`SPLIT_DATA_ATTR`)."""
+        for s in ("img", "txt"):
+            tp.shard_linear(getattr(self, f"{s}_qkv"), group, 0, chunks=3)
+            tp.shard_linear(getattr(self, f"{s}_out"), group, 1)
+            tp.shard_linear(getattr(self, f"{s}_fc1"), group, 0)
+            tp.shard_linear(getattr(self, f"{s}_fc2"), group, 1)
+            for norm in ("norm_q", "norm_k"):
+                setattr(getattr(self, f"{s}_{norm}").weight, SPLIT_DATA_ATTR, True)
+        self.heads //= torch.distributed.get_world_size(group)
+        self.tp_group = group
+
     def _qkv(self, s: str, x, mod, cos, sin):
         """One stream's modulated q / k / v [tokens, heads, head_dim], normed and rotated."""
-        h = _modulate(F.layer_norm(x, x.shape[-1:], eps=1e-6), mod[0], mod[1])
+        h = tp.column_input(_modulate(F.layer_norm(x, x.shape[-1:], eps=1e-6), mod[0], mod[1]), self.tp_group)
         q, k, v = getattr(self, f"{s}_qkv")(h).unflatten(-1, (3, self.heads, -1)).unbind(1)
         q = self.ops.rms_norm(q, getattr(self, f"{s}_norm_q").weight, 1e-6)
         k = self.ops.rms_norm(k, getattr(self, f"{s}_norm_k").weight, 1e-6)
@@ -214,25 +233,28 @@ class JointBlock(nn.Module):
         if g is not None:
             ot, oi = gather_heads(ot, g), heads_to_seq(oi, g)
         ot, oi = ot.flatten(1), oi.flatten(1)
-        img = img + mi[2] * self.img_out(oi)
-        txt = txt + mt[2] * self.txt_out(ot)
-        h = _modulate(F.layer_norm(img, img.shape[-1:], eps=1e-6), mi[3], mi[4])
-        img = img + mi[5] * self.img_fc2(F.gelu(self.img_fc1(h), approximate="tanh"))
-        h = _modulate(F.layer_norm(txt, txt.shape[-1:], eps=1e-6), mt[3], mt[4])
-        txt = txt + mt[5] * self.txt_fc2(F.gelu(self.txt_fc1(h), approximate="tanh"))
+        img = img + mi[2] * tp.row_linear(self.img_out, oi, self.tp_group)
+        txt = txt + mt[2] * tp.row_linear(self.txt_out, ot, self.tp_group)
+        img = img + mi[5] * self._mlp("img", _modulate(F.layer_norm(img, img.shape[-1:], eps=1e-6), mi[3], mi[4]))
+        txt = txt + mt[5] * self._mlp("txt", _modulate(F.layer_norm(txt, txt.shape[-1:], eps=1e-6), mt[3], mt[4]))
         return img, txt
+
+    def _mlp(self, s: str, h):
+        fc1, fc2 = getattr(self, f"{s}_fc1"), getattr(self, f"{s}_fc2")
+        return tp.row_linear(fc2, F.gelu(fc1(tp.column_input(h, self.tp_group)), approximate="tanh"), self.tp_group)
 
 
 def _modulate(x, shift, scale):
     return x * (1 + scale) + shift
 
 
-class QwenImageDiT(nn.Module):
+class QwenImageDiT(tp.MegatronCheckpointable, nn.Module):
     """`model(img_tokens, txt_states, timestep, pack)`: packed image tokens [tokens, in_channels],
     real text states [text tokens, joint_attention_dim], times [samples] in [0, 1] (diffusers'
-    convention for this model) -> [tokens, patch^2 * out_channels]."""
+    convention for this model) -> [tokens, patch^2 * out_channels]. `tp_group`: built whole, then
+    each block keeps this rank's share of the heads (tensor parallel)."""
 
-    def __init__(self, cfg: QwenImageConfig, ops: OpTable | None = None):
+    def __init__(self, cfg: QwenImageConfig, ops: OpTable | None = None, tp_group=None):
         super().__init__()
         cfg.check()
         ops = ops or OpTable()
@@ -245,6 +267,9 @@ class QwenImageDiT(nn.Module):
         self.layers = nn.ModuleList(JointBlock(cfg, ops) for _ in range(cfg.num_layers))
         self.out_mod = nn.Linear(d, 2 * d)
         self.proj_out = nn.Linear(d, cfg.patch_size**2 * cfg.out_channels)
+        if tp_group is not None:
+            for block in self.layers:
+                block.shard(tp_group)
 
     def blocks(self) -> list[nn.Module]:
         return list(self.layers)
