@@ -3,7 +3,8 @@
 for Wan text-to-video (also with one time per token), Wan2.1 image-to-video (condition channels in the patches, CLIP features on
 every rank), Wan2.2 A14B's two experts (each expert's samples split apart; also with one expert
 unused) and Qwen-Image (image tokens split, the text stream whole on every rank); and a training
-run at CP=2 gives the one-process losses (text-to-video: test_wan_train)."""
+run at CP=2 gives the one-process losses on either stack (text-to-video on the torch stack:
+test_wan_train)."""
 
 import os
 
@@ -101,6 +102,7 @@ SMALL = ["train.micro_batch_size=2", "train.global_batch_size=4", "train.log_int
 TRAINED = {
     "experts": ("wan_tiny", "boundary_ratio=0.5"),
     "qwen_image": ("qwen_image_tiny",),
+    "megatron": ("wan_tiny", "parallel.stack=megatron"),  # (with TP=2 on 4 processes: test_wan_tensor_parallel.py)
 }
 
 

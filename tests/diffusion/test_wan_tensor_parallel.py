@@ -114,10 +114,11 @@ def test_megatron_stack_checks():
         return c
 
     validate(cfg(tensor_model_parallel_size=2))
+    validate(cfg(tensor_model_parallel_size=2, context_parallel_size=2))
     for parallel, message in (
-        ({"tensor_model_parallel_size": 3}, "tensor_model_parallel_size=3 must divide model.num_attention_heads=4"),
+        ({"tensor_model_parallel_size": 3}, "tensor_model_parallel_size=3 x parallel.context_parallel_size=1 must divide model"),
+        ({"tensor_model_parallel_size": 2, "context_parallel_size": 4}, "tensor_model_parallel_size=2 x parallel.context_parallel_size=4"),
         ({"pipeline_model_parallel_size": 2}, "parallel.pipeline_model_parallel_size=2: diffusion models on the megatron stack"),
-        ({"context_parallel_size": 2}, "parallel.context_parallel_size=2: diffusion models on the megatron stack"),
         ({"sequence_parallel": True}, "parallel.sequence_parallel=True"),
         ({"data_parallel_mode": "fsdp"}, "parallel.data_parallel_mode=fsdp"),
     ):
@@ -144,7 +145,8 @@ def _exported(run, out):
 def test_training_at_tp2_equals_one_process_and_resumes_at_tp1(tmp_path):
     """Wan on the megatron stack at TP=2 (2 gloo processes) gives the losses and gradient norms of
     one process on the torch stack; its checkpoint (split heads, the fused q/k/v in the whole
-    model's layout) resumes at TP=1, and the exported EMA weights equal the one-process run's."""
+    model's layout) resumes at TP=1, and the exported EMA weights equal the one-process run's.
+    At TP=2 x CP=2 (4 processes) the losses are the one-process ones too."""
     one, split = tmp_path / "one", tmp_path / "tp2"
     r = run_cli(["train", "wan_tiny", *SMALL, "train.train_iters=5", f"checkpoint.run_dir={one}"], module="loongforge.diffusion.cli")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -154,6 +156,15 @@ def test_training_at_tp2_equals_one_process_and_resumes_at_tp1(tmp_path):
     r = run_cli(["train", "wan_tiny", *megatron, "train.train_iters=5"], module="loongforge.diffusion.cli")
     assert r.returncode == 0, r.stderr[-3000:]
     _check_same_run(one, split, [1, 2, 3, 4, 5], tmp_path)
+    # TP=2 x CP=2 on 4 processes: each TP rank's heads split again over its CP group
+    both = tmp_path / "tp2cp2"
+    args = [*SMALL, "parallel.stack=megatron", "parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2"]
+    r = run_cli(["train", "wan_tiny", *args, "train.train_iters=2", f"checkpoint.run_dir={both}"], nproc=4, module="loongforge.diffusion.cli")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = losses(both), losses(one)
+    assert sorted(got) == [1, 2]
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
 
 
 def _check_same_run(one, split, steps: list[int], tmp_path) -> None:

@@ -1,7 +1,7 @@
 """The `diffusion.wan` and `diffusion.qwen_image` recipes: a Wan video transformer or a
 Qwen-Image MMDiT trained by flow matching on preprocessed latents, with core's trainer on the
 torch-native stack (DDP, ZeRO-1, FSDP2, HSDP; Ulysses context parallelism) or the megatron
-stack (tensor and data parallelism). The two families differ in their checks, the data's
+stack (tensor, Ulysses context and data parallelism). The two families differ in their checks, the data's
 family (the frozen encoders) and the task; the run is the same."""
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def validate(cfg) -> None:
 
 
 def validate_parallel(cfg) -> None:
-    """The torch stack: data and Ulysses context parallelism (which splits the attention heads
-    over the group); the megatron stack: data and tensor parallelism (the heads and the MLPs'
-    hidden units split over the TP group)."""
+    """Both stacks: data and Ulysses context parallelism (which splits the attention heads over
+    the CP group); the megatron stack also tensor parallelism (the heads and the MLPs' hidden
+    units split over the TP group, then each TP rank's heads over the CP group)."""
     par, m = cfg.parallel, cfg.model
     cp, heads = par.context_parallel_size, m.num_attention_heads
     if cp > 1 and heads % cp:
@@ -76,19 +76,20 @@ def validate_parallel(cfg) -> None:
     for what, value, ok in (
         ("pipeline_model_parallel_size", par.pipeline_model_parallel_size, 1),
         ("expert_model_parallel_size", par.expert_model_parallel_size, 1),
-        ("context_parallel_size", cp, 1),
         ("sequence_parallel", par.sequence_parallel, False),
         ("data_parallel_mode", par.data_parallel_mode, "ddp"),
         ("compile", par.compile, False),
     ):
         if value != ok:
             raise UserError(
-                f"parallel.{what}={value}: diffusion models on the megatron stack have tensor and data parallelism only; "
-                f"set it to {ok} (context parallelism, FSDP and compile: parallel.stack=torch)"
+                f"parallel.{what}={value}: diffusion models on the megatron stack have tensor, context and data parallelism only; "
+                f"set it to {ok} (FSDP and compile: parallel.stack=torch)"
             )
     tp = par.tensor_model_parallel_size
-    if heads % tp:
-        raise UserError(f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads={heads}")
+    if heads % (tp * cp):
+        raise UserError(
+            f"parallel.tensor_model_parallel_size={tp} x parallel.context_parallel_size={cp} must divide model.num_attention_heads={heads}"
+        )
     if getattr(m, "ffn_dim", 0) % tp:  # Wan's (Qwen-Image's MLPs are 4 x hidden)
         raise UserError(f"parallel.tensor_model_parallel_size={tp} must divide model.ffn_dim={m.ffn_dim}")
 

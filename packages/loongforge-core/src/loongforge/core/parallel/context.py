@@ -42,7 +42,10 @@ class ParallelContext:
     dp_group: object
     mp_group: object  # tensor x pipeline ranks (the global gradient norm)
     embedding_group: object  # first and last pipeline stage (tied embeddings); None at PP=1 and on middle stages
-    cp_group: object = None  # this rank alone: LoongForge runs no context parallelism
+    # Ulysses context parallelism (plain torch models that split attention heads: the diffusion
+    # transformers): consecutive ranks of dp_group splitting each micro-batch's tokens; dp_group
+    # then holds them (gradients average over it) and dp_size counts them. This rank alone otherwise.
+    cp_group: object = None
     pos_embedding_group: object = None  # first pipeline stage; None at PP=1 and on other stages
     # expert parallelism (MoE layers; experts are never tensor-parallel): None without it
     ep_group: object = None  # ranks that split one layer's experts
@@ -52,6 +55,10 @@ class ParallelContext:
     # 1/TP of the sequence, and the parameters that see them sum their gradients over TP
     sequence_parallel: bool = False
     tp_dp_group: object = None  # tensor x data ranks: token counts of a step (MoE routing under sequence parallelism)
+
+    @property
+    def cp_size(self) -> int:
+        return dist.get_world_size(self.cp_group)
 
     @property
     def ep_size(self) -> int:
@@ -85,8 +92,6 @@ class ParallelContext:
         tp_dp_group=None,
     ) -> "ParallelContext":
         """The context of explicit groups (this rank a member of each): sizes and ranks read from them."""
-        if dist.get_world_size(cp_group) != 1:
-            raise ValueError(f"cp_group has {dist.get_world_size(cp_group)} ranks; LoongForge runs no context parallelism (one rank)")
         return cls(
             tp_size=dist.get_world_size(tp_group),
             pp_size=dist.get_world_size(pp_group),
@@ -170,17 +175,22 @@ class ParallelContext:
         return {
             "tensor_model_parallel_size": self.tp_size,
             "pipeline_model_parallel_size": self.pp_size,
-            "data_parallel_size": self.dp_size,
+            "data_parallel_size": self.dp_size // self.cp_size,
             **({"expert_model_parallel_size": self.ep_size} if self.ep_size > 1 else {}),
+            **({"context_parallel_size": self.cp_size} if self.cp_size > 1 else {}),
         }
 
 
-def init_parallel(tp: int, pp: int, backend: str, device_type: str, ep: int = 1, sequence_parallel: bool = False) -> ParallelContext:
+def init_parallel(
+    tp: int, pp: int, backend: str, device_type: str, ep: int = 1, sequence_parallel: bool = False, cp: int = 1
+) -> ParallelContext:
     """Join (or create, for a single process) the default process group and lay out TP x PP x DP,
     and for MoE layers EP x expert-DP over the same ranks (experts are not tensor-parallel: each
     pipeline stage's world / PP ranks split into EP groups). `sequence_parallel` (at TP > 1):
     megatron-core's sequence parallelism; the expert groups then exist at EP = 1 too, as a MoE
     layer's TP ranks route different tokens (their expert gradients sum over the expert-DP group).
+    `cp`: Ulysses context parallelism for plain torch models (TP x CP x DP, megatron-core's rank
+    order; not with PP, EP or sequence parallelism).
 
     Multi-process runs are started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
     """
@@ -191,6 +201,13 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str, ep: int = 1,
     world = dist.get_world_size()
     if world % (tp * pp):
         raise UserError(f"world size {world} is not divisible by tensor_model_parallel_size*pipeline_model_parallel_size={tp * pp}")
+    if cp > 1 and (pp > 1 or ep > 1 or sequence_parallel):
+        raise UserError(
+            f"parallel.context_parallel_size={cp} on the megatron stack runs with tensor and data parallelism only; "
+            "set pipeline_model_parallel_size=1, expert_model_parallel_size=1 and sequence_parallel=false"
+        )
+    if world % (tp * cp):
+        raise UserError(f"world size {world} is not divisible by tensor_model_parallel_size*context_parallel_size={tp * cp}")
     if ep < 1 or world % (ep * pp):
         raise UserError(
             f"parallel.expert_model_parallel_size={ep}: expert_model_parallel_size*pipeline_model_parallel_size={ep * pp} "
@@ -201,14 +218,20 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str, ep: int = 1,
             ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_expert_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
         )
-        if have != (tp, pp, ep):
+        if have != (tp, pp, ep, cp):
             raise UserError(
-                f"this process already runs TP={have[0]} PP={have[1]} EP={have[2]}; cannot build a TP={tp} PP={pp} EP={ep} model in it"
+                f"this process already runs TP={have[0]} PP={have[1]} EP={have[2]} CP={have[3]}; "
+                f"cannot build a TP={tp} PP={pp} EP={ep} CP={cp} model in it"
             )
     else:
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1,
+            context_parallel_size=cp,
         )
     stages = pp > 1
     sequence_parallel = sequence_parallel and tp > 1
@@ -216,7 +239,7 @@ def init_parallel(tp: int, pp: int, backend: str, device_type: str, ep: int = 1,
     return ParallelContext.from_groups(
         ps.get_tensor_model_parallel_group(),
         ps.get_pipeline_model_parallel_group(),
-        ps.get_data_parallel_group(),
+        ps.get_data_parallel_group(with_context_parallel=True),
         mp_group=ps.get_model_parallel_group(),
         cp_group=ps.get_context_parallel_group(),
         embedding_group=ps.get_embedding_group(check_initialized=False) if stages else None,

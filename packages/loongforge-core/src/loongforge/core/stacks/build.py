@@ -41,10 +41,10 @@ def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype, context
     par = parallel_cfg
     if par.stack not in STACKS:
         raise UserError(f"parallel.stack={par.stack!r}: choose one of {', '.join(STACKS)}")
-    if par.context_parallel_size != 1 and (not context_parallel or par.stack != "torch"):
+    if par.context_parallel_size != 1 and not context_parallel:
         raise UserError(
-            f"parallel.context_parallel_size={par.context_parallel_size}: this recipe on parallel.stack={par.stack} has no "
-            "context parallelism; set it to 1 (diffusion.wan and diffusion.qwen_image support it on the torch stack)"
+            f"parallel.context_parallel_size={par.context_parallel_size}: this recipe has no context parallelism; set it to 1 "
+            "(diffusion.wan and diffusion.qwen_image support it)"
         )
     if par.stack == "megatron":
         from loongforge.core.parallel import init_parallel
@@ -57,8 +57,9 @@ def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype, context
             acc.device_type,
             ep=par.expert_model_parallel_size,
             sequence_parallel=par.sequence_parallel,
+            cp=par.context_parallel_size,
         )
-        check_batch_sizes(train_cfg, ctx.dp_size)
+        check_batch_sizes(train_cfg, ctx.dp_size // ctx.cp_size)
         return MegatronStack(ctx, acc, params_dtype, train_cfg.master_weights, expert_replication(par, ctx.ep_size)), ctx
     if (
         par.tensor_model_parallel_size != 1

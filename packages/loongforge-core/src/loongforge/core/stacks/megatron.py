@@ -32,6 +32,8 @@ class MegatronStack(TrainStack):
         self.params_dtype = params_dtype
         self.master_weights = master_weights
         self.dp_size, self.dp_rank, self.dp_group = ctx.dp_size, ctx.dp_rank, ctx.dp_group
+        if ctx.cp_size > 1:  # Ulysses: consecutive ranks of the data-parallel group share each micro-batch
+            self.cp_size, self.cp_rank, self.cp_group = ctx.cp_size, dist.get_rank(ctx.cp_group), ctx.cp_group
         self.low: MasterWeights | PureLowPrecision | None = None
         self._metric_names: list = []
         self._trained: list = []
