@@ -18,14 +18,15 @@ SHAPES = [(3, 4, 6), (1, 6, 2), (2, 2, 2)]  # 18 + 3 + 2 = 23 patch tokens
 CASES = ("t2v", "ti2v", "i2v", "experts", "one_expert", "qwen_image")
 
 
-def _case(name: str):
-    """(model, forward arguments, keyword arguments) of a case, the same in every process."""
+def _case(name: str, tp_group=None):
+    """(model, forward arguments, keyword arguments) of a case, the same in every process (the
+    model split over `tp_group` where given: test_wan_tensor_parallel)."""
     from loongforge.diffusion.models.qwen_image import JointPack, QwenImageConfig, QwenImageDiT
     from loongforge.diffusion.models.wan import WanConfig, WanDiT, WanExperts, patchify
 
     torch.manual_seed(0)
     if name == "qwen_image":
-        model = QwenImageDiT(QwenImageConfig(num_attention_heads=4, attention_head_dim=16))
+        model = QwenImageDiT(QwenImageConfig(num_attention_heads=4, attention_head_dim=16), tp_group=tp_group)
         shapes, lens = [(1, 3, 4), (1, 2, 3), (1, 1, 3)], [5, 3, 4]  # 21 image tokens
         img, txt = torch.randn(21, 16), torch.randn(sum(lens), 24)
         return model, (img, txt, torch.tensor([0.1, 0.5, 0.9]), JointPack.of(shapes, lens, "cpu")), {}
@@ -41,7 +42,7 @@ def _case(name: str):
         image_dim=8 if i2v else None,
         added_kv_proj_dim=48 if i2v else None,
     )
-    model = WanExperts(cfg, 500.0) if "expert" in name else WanDiT(cfg)
+    model = WanExperts(cfg, 500.0, tp_group=tp_group) if "expert" in name else WanDiT(cfg, tp_group=tp_group)
     patches, pack = patchify([torch.randn(cfg.in_channels, *s) for s in SHAPES], cfg)
     times = torch.tensor([50.0, 100.0, 300.0] if name == "one_expert" else [50.0, 600.0, 900.0])
     if name == "ti2v":  # one time per token (Wan2.2 TI2V), the first frame's at 0

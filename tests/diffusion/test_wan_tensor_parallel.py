@@ -13,38 +13,9 @@ import torch
 import torch.distributed as dist
 from conftest import losses, run_cli
 from loongforge.core.parallel import free_port
+from test_wan_context_parallel import _case
 
-SHAPES = [(3, 4, 6), (1, 6, 2), (2, 2, 2)]
-CASES = ("t2v", "i2v", "experts", "qwen_image")
-
-
-def _case(name: str, group=None):
-    """(model, forward arguments, keyword arguments), the same in every process."""
-    from loongforge.diffusion.models.qwen_image import JointPack, QwenImageConfig, QwenImageDiT
-    from loongforge.diffusion.models.wan import WanConfig, WanDiT, WanExperts, patchify
-
-    torch.manual_seed(0)
-    if name == "qwen_image":
-        model = QwenImageDiT(QwenImageConfig(num_attention_heads=4, attention_head_dim=16), tp_group=group)
-        shapes, lens = [(1, 3, 4), (1, 2, 3), (1, 1, 3)], [5, 3, 4]
-        img, txt = torch.randn(21, 16), torch.randn(sum(lens), 24)
-        return model, (img, txt, torch.tensor([0.1, 0.5, 0.9]), JointPack.of(shapes, lens, "cpu")), {}
-    i2v = name == "i2v"
-    cfg = WanConfig(
-        num_attention_heads=4,
-        attention_head_dim=12,
-        in_channels=12 if i2v else 4,
-        text_dim=16,
-        freq_dim=32,
-        ffn_dim=40,
-        num_layers=2,
-        image_dim=8 if i2v else None,
-        added_kv_proj_dim=48 if i2v else None,
-    )
-    model = WanExperts(cfg, 500.0, tp_group=group) if name == "experts" else WanDiT(cfg, tp_group=group)
-    patches, pack = patchify([torch.randn(cfg.in_channels, *s) for s in SHAPES], cfg)
-    times = torch.tensor([50.0, 600.0, 900.0])
-    return model, (patches, pack, times, torch.randn(3, 5, 16)), {"image_context": torch.randn(3, 6, 8)} if i2v else {}
+CASES = ("t2v", "i2v", "experts", "qwen_image")  # the context-parallel test's cases, split over TP instead
 
 
 def _run(model, args, kwargs):
@@ -61,7 +32,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo")
     runs = {}
     for name in CASES:
-        model, args, kwargs = _case(name, dist.group.WORLD)
+        model, args, kwargs = _case(name, tp_group=dist.group.WORLD)
         out, grads = _run(model, args, kwargs)
         sum_split_grads(list(model.parameters()), dist.group.WORLD)
         chunks = {n: (p.partition_dim, p.tp_chunks) for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}

@@ -1,5 +1,5 @@
-"""`loongforge-diffusion`: train Wan video diffusion transformers, preprocess media into latents,
-generate, and convert to diffusers' format."""
+"""`loongforge-diffusion`: train Wan video and Qwen-Image diffusion transformers, preprocess media
+into latents, generate, and convert to diffusers' format."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ EXAMPLES = """examples:
   loongforge-diffusion train wan2.1_t2v_1.3b data.root=latents/ checkpoint.load=/models/Wan2.1-T2V-1.3B-Diffusers/transformer
   torchrun --nproc-per-node 8 -m loongforge.diffusion.cli train run.yaml parallel.data_parallel_mode=fsdp
   torchrun --nproc-per-node 8 -m loongforge.diffusion.cli train run.yaml parallel.context_parallel_size=4   # long videos (Ulysses)
+  torchrun --nproc-per-node 8 -m loongforge.diffusion.cli train run.yaml parallel.stack=megatron \
+      parallel.tensor_model_parallel_size=2 parallel.context_parallel_size=4   # large models: heads split over TP
   loongforge-diffusion train run.yaml boundary_ratio=0.875 checkpoint.load=/models/Wan2.2-T2V-A14B-Diffusers   # both experts
   loongforge-diffusion generate runs/tiny-wan --prompt "a red square moving right" --out red.mp4
   loongforge-diffusion generate runs/ti2v --prompt "the square moves right" --image first.png --out clip.mp4

@@ -76,13 +76,29 @@ def row_linear(linear: nn.Linear, x: torch.Tensor, group) -> torch.Tensor:
     return y if linear.bias is None else y + linear.bias
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """The sum over the group of every rank's `x`, on every rank; each rank's use of the sum
+    differs, so the gradient is summed over the group too."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group, width: int) -> torch.Tensor:
     """RMSNorm over a hidden size of `width` split over the group (x and weight: this rank's
     share), as the op table's reference computes it: in fp32, cast back before the weight."""
-    from torch.distributed.nn.functional import all_reduce
-
     xf = x.float()
-    sq = all_reduce(xf.pow(2).sum(-1, keepdim=True), group=group)  # backward: the gradient summed too
+    sq = _SumOverGroup.apply(xf.pow(2).sum(-1, keepdim=True), group)
     return weight * (xf * torch.rsqrt(sq / width + eps)).to(x.dtype)
 
 
