@@ -127,6 +127,11 @@ def test_training_at_tp2_equals_one_process_and_resumes_at_tp1(tmp_path):
     r = run_cli(["train", "wan_tiny", *megatron, "train.train_iters=5"], module="loongforge.diffusion.cli")
     assert r.returncode == 0, r.stderr[-3000:]
     _check_same_run(one, split, [1, 2, 3, 4, 5], tmp_path)
+    # the torch stack cannot read the megatron stack's checkpoints: one line, nothing changed
+    r = run_cli(["train", "wan_tiny", *SMALL, "train.train_iters=6", f"checkpoint.run_dir={split}"], module="loongforge.diffusion.cli")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "was written with parallel.stack=megatron; resume this run with parallel.stack=megatron" in r.stderr.strip().splitlines()[-1]
+    assert (split / "checkpoints" / "latest").read_text() == "step_00000005"
     # TP=2 x CP=2 on 4 processes: each TP rank's heads split again over its CP group
     both = tmp_path / "tp2cp2"
     args = [*SMALL, "parallel.stack=megatron", "parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2"]

@@ -208,6 +208,9 @@ class Trainer:
         if verify:
             on_rank0(lambda: verify_files(step_dir))
         m = read_manifest(step_dir)
+        saved = m.get("parallel", {}).get("stack")
+        if saved is not None and saved != self.stack.name:  # the two stacks' checkpoint formats differ
+            raise UserError(f"{step_dir} was written with parallel.stack={saved}; resume this run with parallel.stack={saved}")
         self.state = dict(m["trainer"])
         adam_steps = self.state["optimizer_steps"] + self.state.get("inherited_optimizer_steps", 0)
         self.stack.load(step_dir, self.model, self.optimizer, optimizer_steps=adam_steps, select=self._select)
