@@ -1,6 +1,6 @@
 """Wan on a CUDA GPU (skipped on CPU): bf16 outputs against diffusers' fp32 model, packed samples
 of different sizes on CUDA, and bf16 training of the demo through the CLI with and without
-activation recompute."""
+activation recompute, on the torch stack and on the megatron stack."""
 
 import pytest
 import torch
@@ -36,8 +36,8 @@ def test_bf16_outputs_close_to_diffusers_fp32():
     assert _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_demo_trains_in_bf16_on_cuda(tmp_path, recompute, monkeypatch):
+@pytest.mark.parametrize("stack,recompute", [("torch", False), ("torch", True), ("megatron", True)])
+def test_demo_trains_in_bf16_on_cuda(tmp_path, stack, recompute, monkeypatch):
     monkeypatch.setenv("LOONGFORGE_DEVICE", "cuda")
     r = run_cli(
         [
@@ -46,6 +46,7 @@ def test_demo_trains_in_bf16_on_cuda(tmp_path, recompute, monkeypatch):
             "train.train_iters=40",
             "train.log_interval=10",
             f"train.recompute={str(recompute).lower()}",
+            f"parallel.stack={stack}",
             f"checkpoint.run_dir={tmp_path}",
         ],
         module="loongforge.diffusion.cli",

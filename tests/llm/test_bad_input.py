@@ -38,6 +38,7 @@ def _tree_digest(root: Path) -> dict:
         ("model.vocab_size=256", ["tokenizer has", "model.vocab_size is 256"]),
         ("checkpoint.load=/nonexistent/model", ["checkpoint.load=/nonexistent/model"]),
         ("train.global_batch_size=3", ["global_batch_size=3"]),
+        ("parallel.context_parallel_size=2", ["parallel.context_parallel_size=2: this recipe has no context parallelism"]),
     ],
 )
 def test_train_bad_input(override, needles, tmp_path):
