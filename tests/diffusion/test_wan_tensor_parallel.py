@@ -122,7 +122,11 @@ def test_training_at_tp2_equals_one_process_and_resumes_at_tp1(tmp_path):
     r = run_cli(["train", "wan_tiny", *SMALL, "train.train_iters=5", f"checkpoint.run_dir={one}"], module="loongforge.diffusion.cli")
     assert r.returncode == 0, r.stderr[-3000:]
     megatron = [*SMALL, "parallel.stack=megatron", f"checkpoint.run_dir={split}"]
-    r = run_cli(["train", "wan_tiny", *megatron, "train.train_iters=3", "parallel.tensor_model_parallel_size=2"], nproc=2, module="loongforge.diffusion.cli")
+    r = run_cli(
+        ["train", "wan_tiny", *megatron, "train.train_iters=3", "parallel.tensor_model_parallel_size=2"],
+        nproc=2,
+        module="loongforge.diffusion.cli",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_cli(["train", "wan_tiny", *megatron, "train.train_iters=5"], module="loongforge.diffusion.cli")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -135,7 +139,9 @@ def test_training_at_tp2_equals_one_process_and_resumes_at_tp1(tmp_path):
     # TP=2 x CP=2 on 4 processes: each TP rank's heads split again over its CP group
     both = tmp_path / "tp2cp2"
     args = [*SMALL, "parallel.stack=megatron", "parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2"]
-    r = run_cli(["train", "wan_tiny", *args, "train.train_iters=2", f"checkpoint.run_dir={both}"], nproc=4, module="loongforge.diffusion.cli")
+    r = run_cli(
+        ["train", "wan_tiny", *args, "train.train_iters=2", f"checkpoint.run_dir={both}"], nproc=4, module="loongforge.diffusion.cli"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = losses(both), losses(one)
     assert sorted(got) == [1, 2]
@@ -156,6 +162,7 @@ def _check_same_run(one, split, steps: list[int], tmp_path) -> None:
     assert a.keys() == b.keys()
     for k in a:  # AdamW steps of gradients equal within fp32 round-off
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-5 * a[k].abs().max().item(), msg=lambda m: f"{k}: {m}")
+
 
 @pytest.mark.slow
 def test_qwen_image_training_at_tp2_equals_one_process(tmp_path):
