@@ -126,21 +126,17 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """Run a CLI as a user would: `python -m ...` for one process, torchrun for several."""
     if nproc == 1:
-        cmd = [sys.executable, "-m", module, *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-port",
-            str(free_port()),
-            "-m",
-            module,
-            *args,
-        ]
-    return subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
+        )
+    for _ in range(3):
+        port = str(free_port())
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", port, "-m", module, *args]
+        r = subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+        # another process took the free port before torchrun's rendezvous bound it (no worker started yet): another port
+        if not (r.returncode != 0 and "failed to listen" in r.stderr and "EADDRINUSE" in r.stderr):
+            return r
+    return r
 
 
 def losses(run_dir: Path) -> dict[int, float]:
