@@ -61,6 +61,11 @@ class ParallelContext:
         return dist.get_world_size(self.cp_group)
 
     @property
+    def data_size(self) -> int:
+        """Ranks that see different data (the data-parallel group without its CP ranks)."""
+        return self.dp_size // self.cp_size
+
+    @property
     def ep_size(self) -> int:
         return 1 if self.ep_group is None else dist.get_world_size(self.ep_group)
 
@@ -175,7 +180,7 @@ class ParallelContext:
         return {
             "tensor_model_parallel_size": self.tp_size,
             "pipeline_model_parallel_size": self.pp_size,
-            "data_parallel_size": self.dp_size // self.cp_size,
+            "data_parallel_size": self.data_size,
             **({"expert_model_parallel_size": self.ep_size} if self.ep_size > 1 else {}),
             **({"context_parallel_size": self.cp_size} if self.cp_size > 1 else {}),
         }

@@ -76,6 +76,12 @@ def row_linear(linear: nn.Linear, x: torch.Tensor, group) -> torch.Tensor:
     return y if linear.bias is None else y + linear.bias
 
 
+def mlp(fc1: nn.Linear, fc2: nn.Linear, x: torch.Tensor, group) -> torch.Tensor:
+    """fc2(GELU-tanh(fc1(x))) with fc1 column-parallel and fc2 row-parallel over `group` (or
+    whole where it is None): the diffusion transformers' MLP."""
+    return row_linear(fc2, nn.functional.gelu(fc1(column_input(x, group)), approximate="tanh"), group)
+
+
 class _SumOverGroup(torch.autograd.Function):
     """The sum over the group of every rank's `x`, on every rank; each rank's use of the sum
     differs, so the gradient is summed over the group too."""

@@ -59,7 +59,7 @@ def build_stack(parallel_cfg, train_cfg, acc, params_dtype: torch.dtype, context
             sequence_parallel=par.sequence_parallel,
             cp=par.context_parallel_size,
         )
-        check_batch_sizes(train_cfg, ctx.dp_size // ctx.cp_size)
+        check_batch_sizes(train_cfg, ctx.data_size)
         return MegatronStack(ctx, acc, params_dtype, train_cfg.master_weights, expert_replication(par, ctx.ep_size)), ctx
     if (
         par.tensor_model_parallel_size != 1

@@ -235,13 +235,11 @@ class JointBlock(nn.Module):
         ot, oi = ot.flatten(1), oi.flatten(1)
         img = img + mi[2] * tp.row_linear(self.img_out, oi, self.tp_group)
         txt = txt + mt[2] * tp.row_linear(self.txt_out, ot, self.tp_group)
-        img = img + mi[5] * self._mlp("img", _modulate(F.layer_norm(img, img.shape[-1:], eps=1e-6), mi[3], mi[4]))
-        txt = txt + mt[5] * self._mlp("txt", _modulate(F.layer_norm(txt, txt.shape[-1:], eps=1e-6), mt[3], mt[4]))
+        h = _modulate(F.layer_norm(img, img.shape[-1:], eps=1e-6), mi[3], mi[4])
+        img = img + mi[5] * tp.mlp(self.img_fc1, self.img_fc2, h, self.tp_group)
+        h = _modulate(F.layer_norm(txt, txt.shape[-1:], eps=1e-6), mt[3], mt[4])
+        txt = txt + mt[5] * tp.mlp(self.txt_fc1, self.txt_fc2, h, self.tp_group)
         return img, txt
-
-    def _mlp(self, s: str, h):
-        fc1, fc2 = getattr(self, f"{s}_fc1"), getattr(self, f"{s}_fc2")
-        return tp.row_linear(fc2, F.gelu(fc1(tp.column_input(h, self.tp_group)), approximate="tanh"), self.tp_group)
 
 
 def _modulate(x, shift, scale):

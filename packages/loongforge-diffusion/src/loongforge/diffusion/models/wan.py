@@ -293,6 +293,13 @@ class HeadNorms:
             return self.ops.rms_norm(x, norm.weight, self.eps)
         return tp.rms_norm(x, norm.weight, self.eps, self.tp_group, self.width)
 
+    def _shard_heads(self, group, norms: list["RMSWeight"]) -> None:
+        """Keep this TP rank's share of the heads: of the norms' weights, and in `heads`."""
+        for norm in norms:
+            norm.weight = tp.shard_param(norm.weight, group, 0)
+        self.heads //= torch.distributed.get_world_size(group)
+        self.tp_group = group
+
 
 class SelfAttention(nn.Module, HeadNorms):
     def __init__(self, cfg: WanConfig, ops: OpTable):
@@ -307,10 +314,7 @@ class SelfAttention(nn.Module, HeadNorms):
         """Keep this TP rank's share of the heads."""
         tp.shard_linear(self.qkv, group, 0, chunks=3)
         tp.shard_linear(self.out, group, 1)
-        for norm in (self.norm_q, self.norm_k):
-            norm.weight = tp.shard_param(norm.weight, group, 0)
-        self.heads //= torch.distributed.get_world_size(group)
-        self.tp_group = group
+        self._shard_heads(group, [self.norm_q, self.norm_k])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pack: Pack) -> torch.Tensor:
         t = x.shape[0]
@@ -347,11 +351,8 @@ class CrossAttention(nn.Module, HeadNorms):
         if self.image_kv is not None:
             tp.shard_linear(self.image_kv, group, 0, chunks=2)
             norms.append(self.norm_image_k)
-        for norm in norms:
-            norm.weight = tp.shard_param(norm.weight, group, 0)
         tp.shard_linear(self.out, group, 1)
-        self.heads //= torch.distributed.get_world_size(group)
-        self.tp_group = group
+        self._shard_heads(group, norms)
 
     def _attend(self, q, kv: nn.Linear, norm_k: RMSWeight, context, pack: Pack):
         """q's attention to each sample's whole context [samples, context_len, hidden]."""
@@ -433,7 +434,7 @@ class WanBlock(nn.Module):
             h = x
         x = x + self.cross_attn(h, context, pack, image_context)
         h = modulate(F.layer_norm(x.float(), (d,), eps=self.eps), c_shift, c_scale, pack).type_as(x)
-        ff = tp.row_linear(self.fc2, F.gelu(self.fc1(tp.column_input(h, self.tp_group)), approximate="tanh"), self.tp_group)
+        ff = tp.mlp(self.fc1, self.fc2, h, self.tp_group)
         return (x.float() + ff.float() * _per_token(c_gate, pack)).type_as(x)
 
 
