@@ -328,3 +328,21 @@ def test_bad_parallel_config(pg):
 
 if __name__ == "__main__":  # the 2-process job, under torch.distributed.run
     worker(Path(sys.argv[1]))
+
+
+def test_grad_norm_runs_through_the_optimizers_sum_squares(pg):
+    """The stack's squared gradient norm is the optimizer's `sum_squares` (the op table's, which
+    the trainer hands it) over every gradient: the same value as torch's clip_grad_norm_."""
+    run = Run("ddp")
+    calls = []
+
+    def spy(tensors):
+        calls.append(len(tensors))
+        return OpTable().sum_squares(tensors)
+
+    run.opt.sum_squares = spy
+    s, _, _ = run.stack.forward_backward(run.model, run.mbs, loss_fn)
+    got = run.stack.grad_sq_norm(run.model, run.opt).sqrt()
+    want = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.grad is not None], float("inf"))
+    assert calls == [sum(p.grad is not None for p in run.model.parameters())]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)

@@ -419,3 +419,27 @@ def test_adamw_found_inf_skips():
 
     for update in (kernel.adamw, ref.adamw):
         check_adamw_found_inf(update, "cpu", torch.float32, kernel.MIN_NUMEL + 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_squares_matches_float64(dtype):
+    """The gradient norm's sum of squares against the float64 sum: tensors with their own launch
+    (one short of a chunk, several chunks with a ragged end) and ones that go to the reference (a
+    small one, a transposed large one). Every term is positive, so fp32 accumulation over chunks
+    of 8192 then a pairwise sum stays within ~40 fp32 eps of the exact value: 1e-5 relative."""
+    from loongforge.kernels import sum_squares as kernel
+
+    torch.manual_seed(0)
+    n = kernel.MIN_NUMEL
+    tensors = [t.to(dtype) for t in (torch.randn(3, 5), torch.randn(n + 7), torch.randn(3, n // 2 + 1), torch.randn(1000, 70).t())]
+    assert [kernel._own_launch(t) for t in tensors] == [False, True, True, False]
+    for name, fn, ts in (
+        ("kernel", kernel.sum_squares, tensors),
+        ("kernel, own launches only", kernel.sum_squares, tensors[1:3]),
+        ("kernel, reference only", kernel.sum_squares, tensors[::3]),
+        ("reference", ref.sum_squares, tensors),
+    ):
+        got = fn(ts)
+        want = sum(t.double().square().sum() for t in ts)
+        assert got.dtype == torch.float32 and got.dim() == 0, name
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0, msg=name)

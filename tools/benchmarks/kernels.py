@@ -492,6 +492,39 @@ def adamw_rows(copy_gbs, num_layers=24, hidden=2048, ffn=5632, vocab=32000):
     return rows
 
 
+def sum_squares_rows(copy_gbs, num_layers=8, hidden=2048, experts=128, expert_ffn=768, qkv=5120, attn=4096, vocab=151936):
+    """The gradient norm's sum of squares over the bf16 gradients of the MoE benchmark's model
+    (Qwen3-30B-A3B layer shape): the Triton kernel against torch's `_foreach_norm` (core's
+    reference), then a sweep of the kernel's launch parameters."""
+    from loongforge.kernels import sum_squares as k
+
+    shapes = [(vocab, hidden), (vocab, hidden), (hidden,)] + [
+        s
+        for _ in range(num_layers)
+        for s in ((qkv, hidden), (hidden, attn), (experts, 2 * expert_ffn, hidden), (experts, hidden, expert_ffn), (experts, hidden))
+        + ((128,), (128,), (hidden,), (hidden,))
+    ]
+    gs = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+    n = sum(g.numel() for g in gs)
+    label = f"{n / 1e9:.3f}B bf16"
+    rows = [
+        row("sum_squares", label, name, lambda fn=fn: fn(gs), 2 * n, copy_gbs)
+        for name, fn in (("loongforge", k.sum_squares), ("torch _foreach_norm (reference)", ref.sum_squares))
+    ]
+    for block, iters, warps in ((1024, 4, 4), (1024, 8, 4), (1024, 16, 4), (2048, 8, 8), (4096, 4, 8), (4096, 8, 16)):
+        rows.append(
+            row(
+                "sum_squares launch sweep",
+                label,
+                f"block {block} x {iters} x {warps} warps",
+                lambda b=block, i=iters, w=warps: k.sum_squares(gs, block=b, iters=i, num_warps=w),
+                2 * n,
+                copy_gbs,
+            )
+        )
+    return rows
+
+
 def linear_ce_rows(copy_gbs, n=16384, h=4096, v=128256):
     from loongforge.kernels.linear_cross_entropy import linear_cross_entropy
 
@@ -601,7 +634,7 @@ def ce_rows_sweep(rows_n, v, copy_gbs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="rms_norm,swiglu,rope,rotary,qkv_rope,moe,attention_layout,adamw,linear_ce")
+    p.add_argument("--only", default="rms_norm,swiglu,rope,rotary,qkv_rope,moe,attention_layout,adamw,sum_squares,linear_ce")
     p.add_argument("--quick", action="store_true", help="one small shape per kernel")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -636,6 +669,8 @@ def main():
         rows += attention_layout_rows([(2048, 4, 16, 128)] if not a.quick else [(512, 2, 4, 64)])
     if "adamw" in only:
         rows += adamw_rows(copy_gbs) if not a.quick else adamw_rows(copy_gbs, num_layers=2)
+    if "sum_squares" in only:
+        rows += sum_squares_rows(copy_gbs) if not a.quick else sum_squares_rows(copy_gbs, num_layers=1)
     if "linear_ce" in only:
         rows += linear_ce_rows(copy_gbs) if not a.quick else linear_ce_rows(copy_gbs, 2048, 1024, 32000)
     print(

@@ -105,7 +105,7 @@ def timed(step, warmup: int, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def profile_shares(step, categories, steps: int = 3) -> dict:
+def profile_shares(step, categories, steps: int = 3, top: int = 15) -> dict:
     """Shares of GPU time by kernel category over `steps` steps of `step` (after one warm step):
     `categories` is ((name, (substring of a kernel name, ...)), ...); a kernel counts in its first
     match. Prints the top kernels."""
@@ -130,8 +130,8 @@ def profile_shares(step, categories, steps: int = 3) -> dict:
                 shares[name] += t
                 break
     print(f"profile: {total / steps / 1e3:.1f} ms GPU time per step; top kernels:")
-    for k, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
-        print(f"  {100 * t / total:5.1f}%  {k[:110]}")
+    for k, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {100 * t / total:5.1f}%  {t / steps / 1e3:6.2f} ms  {k[:180]}")
     return {name: t / total for name, t in shares.items()}
 
 

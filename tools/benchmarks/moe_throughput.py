@@ -155,6 +155,8 @@ CATEGORIES = (
     ("expert GEMM", ("grouped", "Grouped", "GroupProblemShape")),  # torch grouped_mm: CUTLASS grouped kernels
     ("dispatch (top-k, sort, permute)", ("_scatter", "_combine", "_scatter_dot", "adixSort", "topk", "TopK", "sbtopk", "searchsorted")),
     ("attention", ("flash", "fmha", "attention", "Attention")),
+    ("AdamW", ("_adamw_tensor", "FusedAdam")),
+    ("gradient norm", ("LpNorm", "_sum_squares")),
 )
 
 
@@ -190,7 +192,7 @@ def main():
             step, keep = builders[name]()
             ms, mem = timed(step, a.warmup, a.steps)
             if name == "loongforge trainer (pure bf16)" and not a.no_profile:
-                shares = profile_shares(step, CATEGORIES)
+                shares = profile_shares(step, CATEGORIES, top=40)
             del step, keep
         except torch.OutOfMemoryError:
             print(f"{name}: out of memory", flush=True)

@@ -5,7 +5,18 @@ TRITON_INTERPRET=1 by calling them directly)."""
 
 def register(reg) -> None:
     from loongforge.core.ops import OpImpl
-    from loongforge.kernels import adamw, linear_cross_entropy, moe_permute, qkv_rope, rms_norm, rope, rotary, swiglu, varlen_attention
+    from loongforge.kernels import (
+        adamw,
+        linear_cross_entropy,
+        moe_permute,
+        qkv_rope,
+        rms_norm,
+        rope,
+        rotary,
+        sum_squares,
+        swiglu,
+        varlen_attention,
+    )
 
     cuda = ("cuda",)
     for op, fn in (
@@ -19,6 +30,7 @@ def register(reg) -> None:
         ("moe_permute", moe_permute.moe_permute),
         ("moe_unpermute", moe_permute.moe_unpermute),
         ("adamw", adamw.adamw),
+        ("sum_squares", sum_squares.sum_squares),
     ):
         reg.add("op", f"{op}.triton", OpImpl(fn, cuda, priority=10))
     reg.add("op", "varlen_attention.flash", OpImpl(varlen_attention.varlen_attention, cuda, priority=10))

@@ -314,6 +314,13 @@ def adamw(
         )
 
 
+def sum_squares(tensors: list) -> torch.Tensor:
+    """Sum of the squares of every element of `tensors` (a non-empty list on one device) as an
+    fp32 0-d tensor, as clipping's global gradient norm needs it: torch's fused per-tensor norm
+    in fp32 (bf16 tensors are read once and never copied), squared and summed."""
+    return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).square().sum()
+
+
 def packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -25,6 +25,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "moe_unpermute": reference.moe_unpermute,
     "moe_expert_mlp": reference.moe_expert_mlp,
     "adamw": reference.adamw,
+    "sum_squares": reference.sum_squares,
 }
 
 

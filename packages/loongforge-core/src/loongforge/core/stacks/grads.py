@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
+from loongforge.core.ops import reference
 
 
 def param_groups(params) -> list[dict]:
@@ -46,15 +49,14 @@ def all_reduce_mean(grads: list[torch.Tensor], group, size: int) -> None:
             g.copy_(f)
 
 
-def sq_norm(tensors, device) -> torch.Tensor:
-    """Sum of squares of `tensors`, in fp32: one fused per-tensor norm launch (bf16 tensors are
-    read once and never copied); 0 for none."""
+def sq_norm(tensors, device, sum_squares: Callable = reference.sum_squares) -> torch.Tensor:
+    """Sum of squares of `tensors` in fp32 by `sum_squares` (an op table's); 0 for none."""
     tensors = [t.detach() for t in tensors]
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).square().sum()
+    return sum_squares(tensors)
 
 
-def grad_sq_norm(params, device) -> torch.Tensor:
+def grad_sq_norm(params, device, sum_squares: Callable = reference.sum_squares) -> torch.Tensor:
     """Sum of squares of the parameters' gradients (see `sq_norm`)."""
-    return sq_norm([p.grad for p in params if p.grad is not None], device)
+    return sq_norm([p.grad for p in params if p.grad is not None], device, sum_squares)

@@ -233,7 +233,7 @@ class TorchNativeStack(TrainStack):
         grads = [p.grad for p in self._params if p.grad is not None]
         if self.sharded:
             grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        sq = sq_norm([g for g in grads if g.numel()], self.device)
+        sq = sq_norm([g for g in grads if g.numel()], self.device, optimizer.sum_squares)
         if self.sharded and self._shard_group.size() > 1:
             dist.all_reduce(sq, group=self._shard_group)
         return sq

@@ -1,5 +1,6 @@
 """AdamW whose update runs through the op table's `adamw` (torch's fused kernel in the reference,
-a faster one where a plugin registers it). Parameter groups, hyper-parameters, the state layout
+a faster one where a plugin registers it), and whose gradients' sum of squares for clipping runs
+through its `sum_squares`. Parameter groups, hyper-parameters, the state layout
 (`step`, `exp_avg`, `exp_avg_sq`, steps on the parameters' device) and so checkpoints are
 exactly torch.optim.AdamW's with fused=True; clipping arrives as its `grad_scale` and the
 NaN/Inf guard's verdict as its `found_inf` (attributes, as torch's GradScaler sets them on fused
@@ -21,9 +22,12 @@ from loongforge.core.ops import reference
 
 
 class TableAdamW(torch.optim.AdamW):
-    def __init__(self, params, update: Callable = reference.adamw, ema_decay: float = 0.0, **kwargs) -> None:
+    def __init__(
+        self, params, update: Callable = reference.adamw, ema_decay: float = 0.0, sum_squares: Callable = reference.sum_squares, **kwargs
+    ) -> None:
         super().__init__(params, fused=True, **kwargs)
         self.update = update
+        self.sum_squares = sum_squares  # the stacks' gradient norm for clipping runs through it
         self.ema_decay = ema_decay
 
     @torch.no_grad()

@@ -62,7 +62,7 @@ class Trainer:
         self.stack = stack
         self.acc = acc
         self.task = task
-        self.ops = ops or OpTable()  # the optimizer's `adamw` comes from it
+        self.ops = ops or OpTable()  # the optimizer's `adamw` and `sum_squares` come from it
         self.run_config = run_config
         self.identity = identity
         self.run_dir = Path(ckpt_cfg.run_dir)
@@ -82,6 +82,7 @@ class Trainer:
         return TableAdamW(
             groups,
             update=self.ops.adamw,
+            sum_squares=self.ops.sum_squares,
             lr=c.lr,
             betas=(c.adam_beta1, c.adam_beta2),
             eps=c.adam_eps,
