@@ -62,3 +62,15 @@ def test_grouped_mm_falls_back_where_it_cannot_run():
     torch.testing.assert_close(
         grouped.moe_expert_mlp(half[0], counts, half[1], half[2]), ref.moe_expert_mlp(half[0], counts, half[1], half[2])
     )
+
+
+def test_the_callers_swiglu_is_used():
+    """Both forms run the SwiGLU they are given (the model passes its op table's, a fused kernel
+    on the GPU): a stand-in that doubles it doubles the output."""
+    x, counts, fc1, fc2 = _inputs(torch.float32)
+
+    def doubled(gate_up):
+        return 2 * ref.swiglu(gate_up)
+
+    for fn in (grouped.moe_expert_mlp, ref.moe_expert_mlp):
+        torch.testing.assert_close(fn(x, counts, fc1, fc2, swiglu=doubled), 2 * fn(x, counts, fc1, fc2))

@@ -525,8 +525,11 @@ def sum_squares_rows(copy_gbs, num_layers=8, hidden=2048, experts=128, expert_ff
     return rows
 
 
-def linear_ce_rows(copy_gbs, n=16384, h=4096, v=128256):
-    from loongforge.kernels.linear_cross_entropy import linear_cross_entropy
+def linear_ce_rows(copy_gbs, n=16384, h=4096, v=128256, budgets_mib=(512, 1024)):
+    """The fused linear + cross-entropy against unfused ones (and Liger's where installed), and
+    the fused op with larger logits chunks (`budgets_mib`: fewer, longer weight-gradient GEMMs
+    for more memory)."""
+    from loongforge.kernels.linear_cross_entropy import LOGITS_BUDGET, linear_cross_entropy
 
     rows = []
     hid = (torch.randn(n, h, device="cuda", dtype=torch.bfloat16) / 4).requires_grad_(True)
@@ -547,6 +550,11 @@ def linear_ce_rows(copy_gbs, n=16384, h=4096, v=128256):
         "unfused, fp32 logits": unfused(True),
         "unfused, bf16 logits": unfused(False),
     }
+    for mib in budgets_mib:
+        if mib << 20 != LOGITS_BUDGET:
+            setups[f"loongforge fused, {mib} MiB logits chunks"] = lambda b=mib << 20: linear_cross_entropy(
+                hid, w, labels, tw, logits_budget=b
+            ).backward()
     liger = maybe(
         lambda: __import__("liger_kernel.transformers", fromlist=["LigerFusedLinearCrossEntropyLoss"]).LigerFusedLinearCrossEntropyLoss()
     )
@@ -634,7 +642,11 @@ def ce_rows_sweep(rows_n, v, copy_gbs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="rms_norm,swiglu,rope,rotary,qkv_rope,moe,attention_layout,adamw,sum_squares,linear_ce")
+    p.add_argument(
+        "--only",
+        default="rms_norm,swiglu,rope,rotary,qkv_rope,moe,attention_layout,adamw,sum_squares,linear_ce,linear_ce_moe",
+        help="comma-separated parts; linear_ce_moe: the fused loss at the MoE benchmark's shape (4096 x 2048 x 151936)",
+    )
     p.add_argument("--quick", action="store_true", help="one small shape per kernel")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -673,6 +685,8 @@ def main():
         rows += sum_squares_rows(copy_gbs) if not a.quick else sum_squares_rows(copy_gbs, num_layers=1)
     if "linear_ce" in only:
         rows += linear_ce_rows(copy_gbs) if not a.quick else linear_ce_rows(copy_gbs, 2048, 1024, 32000)
+    if "linear_ce_moe" in only:
+        rows += linear_ce_rows(copy_gbs, 4096, 2048, 151936, budgets_mib=(256, 512, 1024, 2048))
     print(
         "\n| kernel | shape | setup | ms | graph ms | cold graph ms | GB/s | of copy | extra GiB |\n"
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"

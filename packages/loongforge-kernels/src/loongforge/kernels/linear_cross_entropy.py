@@ -101,7 +101,7 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_weights, ignore_index, smoothing, grad_enabled):
+    def forward(ctx, hidden, weight, labels, token_weights, ignore_index, smoothing, grad_enabled, logits_budget):
         dt = _compute_dtype(hidden)
         h = hidden.to(dt)
         w = weight.to(dt)
@@ -113,7 +113,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if want_w else None
         tw = token_weights.to(torch.float32).contiguous()
         lab = labels.contiguous()
-        chunk = max(1, min(n, LOGITS_BUDGET // (v * h.element_size())))
+        chunk = max(1, min(n, logits_budget // (v * h.element_size())))
         if chunk > 128:
             chunk -= chunk % 128  # whole matmul tiles
         for a in range(0, n, chunk):
@@ -151,7 +151,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h.to(ctx.hidden_dtype)
         if grad_w is not None:
             _scale_(grad_w, scale)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -161,7 +161,12 @@ def linear_cross_entropy(
     token_weights: torch.Tensor,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
+    logits_budget: int | None = None,
 ) -> torch.Tensor:
+    """The op-table `linear_cross_entropy` (core's reference has its contract); `logits_budget`
+    (bytes of one chunk's logits, default LOGITS_BUDGET) is exposed for the benchmark's sweep."""
     if hidden.dim() != 2 or weight.dim() != 2 or not hidden.is_floating_point():
         return reference.linear_cross_entropy(hidden, weight, labels, token_weights, ignore_index, label_smoothing)
-    return _LinearCrossEntropy.apply(hidden, weight, labels, token_weights, ignore_index, label_smoothing, torch.is_grad_enabled())
+    return _LinearCrossEntropy.apply(
+        hidden, weight, labels, token_weights, ignore_index, label_smoothing, torch.is_grad_enabled(), logits_budget or LOGITS_BUDGET
+    )

@@ -466,7 +466,7 @@ def grouped_experts_class():
                 placed = self.placement.on(fc1.device)
                 fc1 = torch.cat([fc1, _ReplicaExchange.apply(fc1, placed, self.ep_group)])
                 fc2 = torch.cat([fc2, _ReplicaExchange.apply(fc2, placed, self.ep_group)])
-            out = self.ops.moe_expert_mlp(tokens, tokens_per_expert.to(tokens.device), fc1, fc2)
+            out = self.ops.moe_expert_mlp(tokens, tokens_per_expert.to(tokens.device), fc1, fc2, swiglu=self.ops.swiglu)
             return (out if probs is None else out * probs.unsqueeze(-1).to(out.dtype)), None
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):

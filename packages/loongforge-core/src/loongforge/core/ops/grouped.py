@@ -4,6 +4,8 @@ on CPUs the table keeps the reference, and the CPU tests call this form directly
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from loongforge.core.ops import reference
@@ -19,11 +21,13 @@ def _grouped_ok(*tensors: torch.Tensor) -> bool:
     return all(t.shape[-1] * t.element_size() % 16 == 0 and t.shape[-2] * t.element_size() % 16 == 0 for t in tensors[1:])
 
 
-def moe_expert_mlp(permuted: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+def moe_expert_mlp(
+    permuted: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, swiglu: Callable = reference.swiglu
+) -> torch.Tensor:
     """`reference.moe_expert_mlp` as two grouped GEMMs, without reading the counts on the host
     (the reference itself where grouped_mm does not take the inputs)."""
     if not _grouped_ok(permuted, fc1, fc2):
-        return reference.moe_expert_mlp(permuted, tokens_per_expert, fc1, fc2)
+        return reference.moe_expert_mlp(permuted, tokens_per_expert, fc1, fc2, swiglu)
     offs = tokens_per_expert.cumsum(0).to(torch.int32)
     hidden = F.grouped_mm(permuted.contiguous(), fc1.transpose(1, 2), offs=offs)
-    return F.grouped_mm(reference.swiglu(hidden), fc2.transpose(1, 2), offs=offs)
+    return F.grouped_mm(swiglu(hidden), fc2.transpose(1, 2), offs=offs)

@@ -4,7 +4,7 @@ against these."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -216,11 +216,14 @@ def moe_order(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     return row_ids, bounds.diff()
 
 
-def moe_expert_mlp(permuted: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+def moe_expert_mlp(
+    permuted: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, swiglu: Callable = swiglu
+) -> torch.Tensor:
     """Each expert's SwiGLU MLP on its rows of `permuted` [T, H] (as `moe_permute` groups them,
     `tokens_per_expert` [E] rows each): rows of expert e -> swiglu(x @ fc1[e].T) @ fc2[e].T, with
-    fc1 [E, 2F, H] (gate rows, then up rows) and fc2 [E, H, F]. The reference loops over the
-    experts (reading the counts on the host); `grouped_mm` runs them as two grouped GEMMs."""
+    fc1 [E, 2F, H] (gate rows, then up rows) and fc2 [E, H, F]; `swiglu` is the caller's op table's.
+    The reference loops over the experts (reading the counts on the host); `grouped_mm` runs them
+    as two grouped GEMMs."""
     out = []
     for e, rows in enumerate(permuted.split(tokens_per_expert.tolist())):
         out.append(F.linear(swiglu(F.linear(rows, fc1[e])), fc2[e]))
