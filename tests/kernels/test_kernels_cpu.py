@@ -257,7 +257,6 @@ def test_rotary_falls_back_to_the_reference():
 def test_linear_cross_entropy(smoothing, monkeypatch):
     from loongforge.kernels import linear_cross_entropy as lce
 
-    monkeypatch.setattr(lce, "LOGITS_BUDGET", 5 * 37 * 4)  # several chunks of 5 tokens
     monkeypatch.setattr(lce, "BLOCK_V", 16)  # several vocab blocks per row
     torch.manual_seed(0)
     n, h, v = 13, 12, 37
@@ -265,9 +264,9 @@ def test_linear_cross_entropy(smoothing, monkeypatch):
     labels = torch.randint(0, v, (n,))
     labels[[2, 7]] = -100
     tw = torch.rand(n)
-    for go in (torch.tensor(1.0), torch.tensor(0.37)):
+    for go, budget in ((torch.tensor(1.0), None), (torch.tensor(0.37), None), (torch.tensor(0.37), 5 * v * 4)):  # one chunk; chunks of 5
         _compare(
-            lambda a, b: lce.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing),
+            lambda a, b: lce.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing, logits_budget=budget),
             lambda a, b: ref.linear_cross_entropy(a, b, labels, tw, label_smoothing=smoothing),
             [hid, w],
             go,

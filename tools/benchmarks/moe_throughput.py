@@ -151,23 +151,6 @@ def megatron_moe_step(mcfg, tokens):
     return megatron_train_step(model, tokens)
 
 
-def with_ce_chunks(mib: int, make):
-    """A setup whose steps run the fused loss with `mib` MiB logits chunks instead of the
-    kernel's default (an experiment on the chunk size: fewer weight-gradient accumulations)."""
-    from loongforge.kernels import linear_cross_entropy as lce
-
-    step, keep = make()
-
-    def run():
-        default, lce.LOGITS_BUDGET = lce.LOGITS_BUDGET, mib << 20
-        try:
-            step()
-        finally:
-            lce.LOGITS_BUDGET = default
-
-    return run, keep
-
-
 CATEGORIES = (
     ("expert GEMM", ("grouped", "Grouped", "GroupProblemShape")),  # torch grouped_mm: CUTLASS grouped kernels
     ("dispatch (top-k, sort, permute)", ("_scatter", "_combine", "_scatter_dot", "adixSort", "topk", "TopK", "sbtopk", "searchsorted")),
@@ -189,9 +172,6 @@ def main():
     builders = {
         "loongforge trainer (pure bf16)": lambda: loongforge_step(mcfg, tokens, "pure", True),
         "loongforge trainer": lambda: loongforge_step(mcfg, tokens, "masters", True),
-        "loongforge trainer (pure bf16) + 512 MiB loss chunks": lambda: with_ce_chunks(
-            512, lambda: loongforge_step(mcfg, tokens, "pure", True)
-        ),
         "hf eager": lambda: hf_step(mcfg, tokens, compile_=False),
         "hf compile": lambda: hf_step(mcfg, tokens, compile_=True),
         "megatron moe": lambda: megatron_moe_step(mcfg, tokens),
