@@ -442,3 +442,20 @@ def test_sum_squares_matches_float64(dtype):
         want = sum(t.double().square().sum() for t in ts)
         assert got.dtype == torch.float32 and got.dim() == 0, name
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0, msg=name)
+
+
+def test_packed_attention_of_one_sample_takes_sdpa(monkeypatch):
+    """A pack of one sample goes to SDPA over the whole rows (cuDNN's attention on Hopper), never
+    to the flash varlen kernel; packs of several samples still reach the varlen kernel."""
+    from loongforge.kernels import varlen_attention as va
+
+    calls = []
+    monkeypatch.setattr(va, "_flash", lambda *a, **k: calls.append(a[3].shape[0]))  # returns None: the reference runs
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(10, 2, 8) for _ in range(3))
+    one = torch.tensor([0, 10])
+    torch.testing.assert_close(va.packed_attention(q, k, v, one, one), ref.packed_attention(q, k, v, one, one), **TOL)
+    assert calls == []
+    two = torch.tensor([0, 4, 10])
+    torch.testing.assert_close(va.packed_attention(q, k, v, two, two), ref.packed_attention(q, k, v, two, two), **TOL)
+    assert calls == [3]
