@@ -1,6 +1,7 @@
 """kill -9 of a trainer that has saved a checkpoint leaves no process of its behind (megatron's
 checkpoint writer keeps a multiprocessing Manager server, and with it a resource tracker, for
-the life of the trainer)."""
+the life of the trainer; its forked per-bucket writers can block forever on their results pipe
+when the trainer dies mid-save)."""
 
 import os
 import signal
@@ -65,3 +66,52 @@ def test_kill_after_checkpoint_leaves_no_processes(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+_FORKER = """
+import os, sys, time, multiprocessing as mp
+from loongforge.core.checkpoint.megatron_io import writers_die_with_this_process
+
+def sleeper(path):
+    open(path, "w").write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("fork")
+    if sys.argv[2] == "saving":
+        with writers_die_with_this_process():
+            ctx.Process(target=sleeper, args=(sys.argv[1],)).start()
+    else:
+        ctx.Process(target=sleeper, args=(sys.argv[1],)).start()
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
+    time.sleep(0.2)
+    os.kill(os.getpid(), 9)  # the trainer killed mid-save
+"""
+
+
+@pytest.mark.parametrize("saving", [True, False])
+def test_processes_forked_while_saving_die_with_the_trainer(tmp_path, saving):
+    """A process forked inside `writers_die_with_this_process` (megatron's checkpoint writers)
+    is killed when its parent is; one forked outside it (the negative control) lives on."""
+    script = tmp_path / "forker.py"
+    script.write_text(_FORKER)
+    pid_file = tmp_path / "child.pid"
+    subprocess.run([sys.executable, str(script), str(pid_file), "saving" if saving else "plain"], env=cli_env(), timeout=120)
+    child = int(pid_file.read_text())
+    try:
+        deadline = time.time() + 10
+        while _alive(child) and time.time() < deadline:
+            time.sleep(0.05)
+        assert _alive(child) != saving
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
+    return fields[0] != "Z"

@@ -5,8 +5,12 @@ only its adapters; a LoRA model loads its base weights from a checkpoint without
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 import time
 from multiprocessing.managers import SyncManager
@@ -16,6 +20,40 @@ from typing import Callable, Optional
 import torch
 
 Select = Optional[Callable[[str], bool]]
+
+_PR_SET_PDEATHSIG = 1
+_saving = threading.local()  # `parent`: this process's pid while this thread writes a checkpoint
+
+
+def _writer_dies_with_its_parent() -> None:
+    """At-fork hook, child side. megatron's torch_dist writer forks one process per write bucket;
+    each puts its results on a pipe-backed queue that the trainer reads only after all of them
+    finished, and joins that queue's feeder thread as it exits. When the trainer is killed in that
+    window and the results exceed the pipe's buffer, the writers block forever on the pipe (their
+    siblings hold its read end) and stay behind as orphans. A process forked while this thread
+    saves gets SIGKILL when its parent thread ends, which for the writers is only ever the
+    trainer's death (the saving thread waits for them); forks at other times are untouched."""
+    parent = getattr(_saving, "parent", None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent was gone before the signal was armed
+        os._exit(1)
+    _saving.parent = os.getpid()  # (a writer's own forks die with it in turn)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_writer_dies_with_its_parent)
+
+
+@contextlib.contextmanager
+def writers_die_with_this_process():
+    """While inside, processes this thread forks die with it (see `_writer_dies_with_its_parent`)."""
+    _saving.parent = os.getpid()
+    try:
+        yield
+    finally:
+        _saving.parent = None
 
 
 def _model_sharded(model, select: Select) -> dict:
@@ -95,7 +133,8 @@ def save_megatron(directory: Path, model, optimizer=None, select: Select = None)
     else:
         sd = {"model": _model_sharded(model, select)}
     _ensure_write_results_queue(sd)
-    dist_checkpointing.save(sd, str(directory))
+    with writers_die_with_this_process():
+        dist_checkpointing.save(sd, str(directory))
 
 
 def load_megatron(directory: Path, model, optimizer=None, optimizer_steps: int = 0, select: Select = None) -> None:
