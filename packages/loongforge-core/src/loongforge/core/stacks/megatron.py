@@ -113,15 +113,14 @@ class MegatronStack(TrainStack):
 
     def grad_sq_norm(self, model, optimizer) -> torch.Tensor:
         ctx = self.ctx
-        sq = grad_sq_norm(self._counted, self.device, optimizer.sum_squares)
         # (every rank of a group joins its all-reduce, holding experts or not: a pipeline stage
         # of dense layers has none)
         if ctx.ep_size == 1:  # experts are placed like the dense weights: one sum
-            if self._counted_experts:
-                sq = sq + grad_sq_norm(self._counted_experts, self.device, optimizer.sum_squares)
+            sq = grad_sq_norm(self._counted + self._counted_experts, self.device, optimizer.sum_squares)
             if ctx.tp_size * ctx.pp_size > 1:
                 dist.all_reduce(sq, group=ctx.mp_group)
             return sq
+        sq = grad_sq_norm(self._counted, self.device, optimizer.sum_squares)
         if ctx.tp_size * ctx.pp_size > 1:
             dist.all_reduce(sq, group=ctx.mp_group)
         expert_sq = grad_sq_norm(self._counted_experts, self.device, optimizer.sum_squares)  # each expert lives on one rank of its EP group
