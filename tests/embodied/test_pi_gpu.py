@@ -60,3 +60,24 @@ def test_cuda_run_serves_and_evaluates_on_cuda(tmp_path):
     assert a.shape == (8, 2) and np.isfinite(a).all() and np.array_equal(a, b)
     r = run_cli(["eval", str(tmp_path / "run"), "--episodes", "6", "--every", "5", "--device", "cuda"], module=MODULE)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("variant", ["pi05", "pi0"])
+def test_graphed_sampler_equals_eager_sampling(variant):
+    from loongforge.embodied.policies import Observation, PiPolicy
+    from test_pi_policy import observation, randomized, tiny
+
+    policy = randomized(PiPolicy(tiny(variant))).cuda()
+    sampler = policy.graphed_sampler()
+
+    def on_cuda(obs):
+        return Observation(
+            *(None if x is None else x.cuda() for x in (obs.images, obs.image_masks, obs.tokens, obs.token_masks, obs.state))
+        )
+
+    for b, seed in ((2, 0), (2, 1), (1, 2)):  # new inputs of one shape replay the graph, a new batch captures another
+        obs = on_cuda(observation(b=b, seed=seed))
+        noise = torch.randn(b, 4, 6, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        got, want = sampler(obs, noise), policy.sample_actions(obs, noise=noise)
+        assert got.shape == (b, 4, 6)
+        assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max()), (b, seed)

@@ -13,6 +13,7 @@ EXAMPLES = """examples:
   loongforge-embodied train run.yaml 'data.datasets=[{root: /data/aloha_sim_insertion_human}]' parallel.data_parallel_mode=fsdp
   torchrun --nproc-per-node 2 -m loongforge.embodied.cli train run.yaml
   loongforge-embodied serve runs/tiny-pi --port 8000              # openpi websocket clients connect here
+  loongforge-embodied serve runs/pi05 --device cuda               # each chunk one CUDA graph replay (--eager: not)
   loongforge-embodied eval runs/tiny-pi --episodes 6 7            # action MSE of sampled chunks
   loongforge-embodied convert runs/tiny-pi export/tiny-pi          # LeRobot's model.safetensors (+ config.json)
   loongforge-embodied train run.yaml checkpoint.load=/models/pi05_base    # LeRobot weights in
@@ -41,6 +42,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--device", default="cpu", help="cpu or cuda")
     s.add_argument("--seed", type=int, default=0, help="noise seed of every request (the same observation gives the same actions)")
+    s.add_argument("--eager", action="store_true", help="on cuda: launch each kernel instead of replaying one CUDA graph per chunk")
     e = sub.add_parser(
         "eval",
         help="action MSE of sampled chunks on held-out episodes",
@@ -52,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--episodes", type=int, nargs="+", required=True, help="episode indices (in episode order) to evaluate")
     e.add_argument("--every", type=int, default=1, help="evaluate every N-th frame")
     e.add_argument("--device", default="cpu")
+    e.add_argument("--eager", action="store_true", help="on cuda: launch each kernel instead of replaying one CUDA graph per chunk")
     c = sub.add_parser(
         "convert",
         help="a trained run's policy as a LeRobot pi0 / pi0.5 directory",
@@ -93,7 +96,7 @@ def main(argv: list[str]) -> int:
     if args.cmd == "serve":
         from loongforge.embodied.serving import serve
 
-        serve(PolicyRunner.from_run_dir(args.run_dir, args.device, args.seed, ema), args.host, args.port)
+        serve(PolicyRunner.from_run_dir(args.run_dir, args.device, args.seed, ema, cuda_graphs=not args.eager), args.host, args.port)
         return 0
     import json
     from pathlib import Path
@@ -104,7 +107,7 @@ def main(argv: list[str]) -> int:
 
     if args.every < 1:
         raise UserError(f"--every={args.every} must be at least 1")
-    runner = PolicyRunner.from_run_dir(args.run_dir, args.device, ema=ema)
+    runner = PolicyRunner.from_run_dir(args.run_dir, args.device, ema=ema, cuda_graphs=not args.eager)
     root = args.dataset or next(iter(json.loads((Path(args.run_dir) / "normalizer.json").read_text())))
     ds = LeRobotDataset(root)
     bad = [e for e in args.episodes if not 0 <= e < ds.num_episodes]

@@ -78,12 +78,15 @@ class PolicyRunner:
         action_dim: int,
         device,
         seed: int = 0,
+        cuda_graphs: bool = True,
     ):
         self.policy, self.inputs, self.normalizer = policy.eval(), inputs, normalizer
         self.state_key, self.action_key, self.action_dim, self.device, self.seed = state_key, action_key, action_dim, device, seed
+        # on CUDA each chunk replays one graph per observation shape (eager: `cuda_graphs=False`)
+        self.sample = policy.graphed_sampler() if cuda_graphs else lambda obs, noise: policy.sample_actions(obs, noise=noise)
 
     @classmethod
-    def from_run_dir(cls, run_dir, device: str = "cpu", seed: int = 0, ema: bool | None = None) -> "PolicyRunner":
+    def from_run_dir(cls, run_dir, device: str = "cpu", seed: int = 0, ema: bool | None = None, cuda_graphs: bool = True) -> "PolicyRunner":
         from loongforge.core.data.text import load_tokenizer
 
         run_dir = Path(run_dir)
@@ -97,7 +100,9 @@ class PolicyRunner:
         tok = load_tokenizer(str(tok_dir) if tok_dir.is_dir() else cfg.data.tokenizer)
         meta = json.loads((run_dir / "policy_io.json").read_text())
         inputs = PolicyInputs(cfg.policy, meta["cameras"], tok, cfg.data.max_prompt_tokens)
-        return cls(policy.to(device), inputs, normalizer, cfg.data.state_key, cfg.data.action_key, meta["action_dim"], device, seed)
+        return cls(
+            policy.to(device), inputs, normalizer, cfg.data.state_key, cfg.data.action_key, meta["action_dim"], device, seed, cuda_graphs
+        )
 
     def metadata(self) -> dict:
         return {
@@ -117,7 +122,9 @@ class PolicyRunner:
             [self.inputs.prepare({c: obs[c] for c in self.inputs.cameras if c in obs}, state, str(prompt))], self.device
         )
         g = torch.Generator(device=self.device).manual_seed(self.seed)
-        chunk = self.policy.sample_actions(observation(batch), generator=g)[0, :, : self.action_dim].float().cpu().numpy()
+        cfg = self.policy.cfg
+        noise = torch.randn(1, cfg.chunk_size, cfg.max_action_dim, generator=g, device=self.device)
+        chunk = self.sample(observation(batch), noise)[0, :, : self.action_dim].float().cpu().numpy()
         return {"actions": self.normalizer.unnormalize({self.action_key: chunk})[self.action_key]}
 
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from loongforge.core.accelerator.cuda_graph import GraphedCall
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.gemma import GemmaConfig, GemmaModel, attention_bias, masked_attention
 from loongforge.core.foundation.siglip import SiglipVisionConfig, SiglipVisionTower
@@ -144,7 +145,8 @@ class PiPolicy(nn.Module):
         per_image = patches.shape[1] // cams
         words = self.backbone.embed(obs.tokens)
         emb = torch.cat([patches, words.to(patches.dtype)], dim=1)
-        pad = torch.cat([obs.image_masks.repeat_interleave(per_image, dim=1), obs.token_masks.bool()], dim=1)
+        image_pad = obs.image_masks[:, :, None].expand(b, cams, per_image).reshape(b, cams * per_image)
+        pad = torch.cat([image_pad, obs.token_masks.bool()], dim=1)
         return emb, pad, torch.zeros_like(pad, dtype=torch.int32)
 
     def embed_suffix(self, noisy: torch.Tensor, t: torch.Tensor, state: torch.Tensor | None):
@@ -243,6 +245,25 @@ class PiPolicy(nn.Module):
             t = torch.full((b,), 1.0 + step * dt, dtype=torch.float32, device=device)
             x_t = x_t + dt * self.cached_velocity(cache, p_pad, x_t, t, obs.state).float()
         return x_t
+
+    def graphed_sampler(self, max_graphs: int = 4) -> Callable[[Observation, torch.Tensor], torch.Tensor]:
+        """`sampler(obs, noise)`: `sample_actions(obs, noise)` replayed from a CUDA graph captured
+        once per input shape (eager off CUDA). The same kernels as the eager call, launched as one
+        graph: an action chunk at batch 1 is bound by kernel launches, not by the GPU. The graph
+        reads the parameters where they are: load new weights in place (`load_state_dict`), not
+        by moving or casting the module."""
+
+        def run(images, image_masks, tokens, token_masks, noise, *state):
+            obs = Observation(images, image_masks, tokens, token_masks, state[0] if state else None)
+            return self.sample_actions(obs, noise=noise)
+
+        graphed = GraphedCall(run, max_graphs)
+
+        def sampler(obs: Observation, noise: torch.Tensor) -> torch.Tensor:
+            state = () if obs.state is None else (obs.state,)
+            return graphed(obs.images, obs.image_masks, obs.tokens, obs.token_masks, noise, *state)
+
+        return sampler
 
     def prefix_cache(self, emb, mask, positions) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's prefix keys and values, from the backbone alone (the prefix never sees
