@@ -24,7 +24,9 @@ Setups:
   81-frame, a 33-frame and a 17-frame clip and an image, 51,960 patch tokens) packed as the
   trainer packs it, against the same four samples zero-padded to the largest (131,040 tokens),
   the cost a trainer that pads would pay. tokens/s and MFU of both rows count the real tokens
-  (useful work).
+  (useful work). `loongforge mix packed per-sample SDPA`: the packed step with the op table's
+  `packed_attention` set to core's reference (SDPA over each sample in turn) instead of the flash
+  varlen kernel over the whole pack.
 Then a profile of our step gives the attention share of the GPU time.
 """
 
@@ -95,7 +97,7 @@ class Samples(list):
 MIX = [(21, 60, 104), (9, 60, 104), (5, 40, 72), (1, 60, 104)]
 
 
-def loongforge_step(cfg, latents, text, recompute: bool, compile_: bool, samples: list | None = None):
+def loongforge_step(cfg, latents, text, recompute: bool, compile_: bool, samples: list | None = None, op_choices=None):
     from loongforge.core.accelerator import get_accelerator
     from loongforge.core.config import CheckpointConfig, ParallelConfig, TrainConfig
     from loongforge.core.ops import OpTable
@@ -116,7 +118,7 @@ def loongforge_step(cfg, latents, text, recompute: bool, compile_: bool, samples
     run.data.text_len = text.shape[0]
     run.flow.caption_dropout = 0.0
     stack, _ = build_stack(par, train, acc, torch.bfloat16)
-    ops = OpTable.build(None, registry(), "cuda")
+    ops = OpTable.build(op_choices, registry(), "cuda")
     task = WanTask(run, Samples(samples, text), text[:1], 0, 1, acc.device(), ops)
     trainer = Trainer(train, run.checkpoint, stack, acc, task, {}, "benchmark", ops)
     trainer.setup()
@@ -173,6 +175,9 @@ def main():
         "diffusers eager": lambda: diffusers_step(cfg, latents, text, a.recompute, False),
         "diffusers compile": lambda: diffusers_step(cfg, latents, text, a.recompute, True),
         "loongforge mix packed": lambda: loongforge_step(cfg, latents, text, a.recompute, False, mix),
+        "loongforge mix packed per-sample SDPA": lambda: loongforge_step(
+            cfg, latents, text, a.recompute, False, mix, {"packed_attention": "reference"}
+        ),
         "loongforge mix padded": lambda: loongforge_step(cfg, latents, text, a.recompute, False, padded),
     }
     mix = [torch.randn(16, *g, device="cuda") for g in MIX]

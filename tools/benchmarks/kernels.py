@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 
 import torch
@@ -456,6 +457,53 @@ def attention_layout_rows(shapes):
     return rows
 
 
+def packed_attention_rows(configs):
+    """Packed-sample attention forward + backward (bf16, [tokens, heads, head_dim]): torch's flash
+    varlen kernel over the whole pack against SDPA per sample (core's reference; cuDNN's kernels
+    on Hopper), bidirectional (`packed_attention`) or causal (`varlen_attention`). Eager times only:
+    the per-sample path reads the bounds on the host."""
+    from loongforge.kernels.varlen_attention import _flash
+
+    rows = []
+    for lengths, heads, groups, d, causal in configs:
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda", dtype=torch.int32)
+        total, longest = int(cu[-1]), max(lengths)
+        q = torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(total, groups, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(total, groups, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16)
+        pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+        flops = 3.5 * 4 * pairs * heads * d  # forward 4 * pairs * heads * d, backward 2.5x that
+        setups = {
+            "flash varlen": lambda: _flash(q, k, v, cu, cu, longest, longest, causal, None),
+            "SDPA per sample": (lambda: ref.varlen_attention(q, k, v, cu, None, longest))
+            if causal
+            else (lambda: ref.packed_attention(q, k, v, cu, cu, None, longest, longest)),
+        }
+        shape = f"{len(lengths)} x {longest}" if len(set(lengths)) == 1 else "+".join(map(str, lengths))
+        for name, fn in setups.items():
+            ms = bench(fwd_bwd(fn, (q, k, v), g), warmup=10, rep=50)
+            rows.append(
+                {
+                    "kernel": f"{'causal' if causal else 'bidirectional'} packed attention fwd+bwd",
+                    "shape": f"{shape}, {heads}/{groups} heads x {d}",
+                    "setup": name,
+                    "ms": ms,
+                    "TFLOP/s": flops / ms / 1e9,
+                }
+            )
+            print(f"  {rows[-1]['kernel']} {rows[-1]['shape']} {name}: {ms:.3f} ms, {rows[-1]['TFLOP/s']:.0f} TFLOP/s", flush=True)
+    return rows
+
+
+PACKED_ATTENTION_CONFIGS = (
+    [([32760], 12, 12, 128, False), ([32760, 14040, 3600, 1560], 12, 12, 128, False)]  # Wan 1.3B: one clip, the benchmark's MIX
+    + [([n] * (32768 // n), 12, 12, 128, False) for n in (16384, 8192, 4096, 2048, 1024, 512)]
+    + [([64] * 256, 16, 16, 80, False), ([1024] * 16, 16, 16, 80, False)]  # a ViT's windows and images
+    + [([4096], 32, 8, 128, True), ([8192], 32, 8, 128, True), ([2048] * 4, 32, 8, 128, True)]  # packed LLM samples
+)
+
+
 def adamw_rows(copy_gbs, num_layers=24, hidden=2048, ffn=5632, vocab=32000):
     """One AdamW update over the bf16 parameters of the 1.3B config (the tensors the trainer
     steps): the Triton kernel against torch's fused AdamW (core's reference), then a sweep of the
@@ -644,7 +692,7 @@ def main():
     p.add_argument(
         "--only",
         default="rms_norm,swiglu,rope,rotary,qkv_rope,moe,attention_layout,adamw,sum_squares,linear_ce,linear_ce_moe",
-        help="comma-separated parts; linear_ce_moe: the fused loss at the MoE benchmark's shape (4096 x 2048 x 151936)",
+        help="comma-separated parts (also packed_attention); linear_ce_moe: the fused loss at the MoE benchmark's shape (4096 x 2048 x 151936)",
     )
     p.add_argument("--quick", action="store_true", help="one small shape per kernel")
     p.add_argument("--json", default=None)
@@ -684,6 +732,8 @@ def main():
         rows += sum_squares_rows(copy_gbs) if not a.quick else sum_squares_rows(copy_gbs, num_layers=1)
     if "linear_ce" in only:
         rows += linear_ce_rows(copy_gbs) if not a.quick else linear_ce_rows(copy_gbs, 2048, 1024, 32000)
+    if "packed_attention" in only:
+        rows += packed_attention_rows(PACKED_ATTENTION_CONFIGS if not a.quick else PACKED_ATTENTION_CONFIGS[:2])
     if "linear_ce_moe" in only:
         rows += linear_ce_rows(copy_gbs, 4096, 2048, 151936, budgets_mib=(128, 512, 2048))
     print(

@@ -10,7 +10,7 @@
 #   ckpt    tools/benchmarks/checkpoint_save.py (the 1.3B checkpoint save with and without the commit's fsyncs)
 #   compare tools/benchmarks/compare_trees.py: $LLM_SETUPS on this tree against the source tree in
 #           $OTHER_TREE, alternating fresh processes, $ROUNDS rounds (default 3; $COMPARE_ARGS)
-#   embodied  GPU tests of embodied training (tests/embodied/test_pi_gpu.py)
+#   embodied  GPU tests of embodied training and inference (tests/embodied/test_pi_gpu.py, tests/core/test_cuda_graph.py; $EMBODIED_K: pytest -k)
 #   oracle    tools/oracles/pi_vs_lerobot.py on the GPU, pi05 and pi0 (LeRobot's wheels in $LR_SITE)
 #   vla       tools/benchmarks/vla_throughput.py ($VLA_ARGS; $VLA_TIMEOUT s, default 540)
 #   moetests  GPU tests of the MoE stack (tests/llm/test_moe_gpu.py)
@@ -63,7 +63,7 @@ for part in $PARTS; do
     profile) timeout 200 python3 tools/benchmarks/profile_step.py ${PROFILE_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/profile_step.log" ;;
     ckpt) timeout ${CKPT_TIMEOUT:-400} python3 tools/benchmarks/checkpoint_save.py ${CKPT_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/checkpoint_save.log" ;;
     compare) timeout ${COMPARE_TIMEOUT:-500} python3 tools/benchmarks/compare_trees.py --other "$OTHER_TREE" --setups "$LLM_SETUPS" --rounds ${ROUNDS:-3} ${COMPARE_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/compare_trees.log" ;;
-    embodied) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/embodied/test_pi_gpu.py 2>&1 | tail -40 | tee "$OUT/embodied_gpu_tests.log" ;;
+    embodied) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/embodied/test_pi_gpu.py tests/core/test_cuda_graph.py ${EMBODIED_K:+-k "$EMBODIED_K"} 2>&1 | tail -40 | tee "$OUT/embodied_gpu_tests.log" ;;
     oracle) for v in pi05 pi0; do timeout 200 python3 tools/oracles/pi_vs_lerobot.py --site "$LR_SITE" --device cuda --variant $v 2>&1 | grep -v -i "warn" | tail -12; done | tee "$OUT/pi_oracle.log" ;;
     vla) timeout ${VLA_TIMEOUT:-540} python3 tools/benchmarks/vla_throughput.py --site "$LR_SITE" ${VLA_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/vla_throughput.log" ;;
     moetests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/llm/test_moe_gpu.py 2>&1 | tail -40 | tee "$OUT/moe_gpu_tests.log" ;;

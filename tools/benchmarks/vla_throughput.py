@@ -15,7 +15,9 @@ the wheels to install into `--site`).
     python tools/benchmarks/vla_throughput.py --site /tmp/site_lr [--steps 10] [--compile [--compiled-only]]
 
 Prints samples/s and peak memory of a training step, and the latency of one action chunk (10
-flow steps, batch 1), for each side and their ratios.
+flow steps, batch 1), for each side and their ratios. On CUDA the chunk is also timed as one CUDA
+graph replay on both sides (`GraphedCall` over our `sample_actions` and over LeRobot's: the same
+kernels as each side's eager chunk, launched at once).
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ def train_step_fn(loss_fn, params, action_dim: int):
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def chunk_latency(name: str, infer, args) -> dict:
+    """A row of the action-chunk latency alone (the training step is another row's)."""
+    lat = timed(infer, 2, args.latency_iters)
+    nan = float("nan")
+    return {"name": name, "step_ms": nan, "samples_per_s": nan, "peak_gib": nan, "chunk_latency_ms": 1e3 * statistics.median(lat)}
 
 
 def measure(name: str, step, infer, batch: int, args) -> dict:
@@ -131,6 +140,11 @@ def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, t
         rows.append(
             measure("LoongForge", train_step_fn(loss_fn, ours.parameters(), action_dim), lambda: ours.sample_actions(obs1), b, args)
         )
+        if dev == "cuda":
+            ours.eval()
+            sampler, noise = ours.graphed_sampler(), torch.randn(1, chunk, 32, device=dev)
+            rows.append(chunk_latency("LoongForge, CUDA graph", lambda: sampler(obs1, noise), args))
+            ours.train()
     if args.compile:
         try:
             compiled_loss = torch.compile(ours.flow_matching_loss)
@@ -212,6 +226,24 @@ def main() -> int:
         infer = lambda: lr.model.sample_actions(imgs1, masks1, one(tokens), one(token_masks))  # noqa: E731
         if not args.compiled_only:
             rows.append(measure("LeRobot 0.4.4", train_step_fn(loss_fn, lr.parameters(), action_dim), infer, b, args))
+            if dev == "cuda":
+                # LeRobot's own sample_actions, captured and replayed by the same GraphedCall as ours
+                from loongforge.core.accelerator.cuda_graph import GraphedCall
+
+                lr.eval()
+                graphed = GraphedCall(
+                    lambda *t: lr.model.sample_actions(list(t[:cams]), list(t[cams : 2 * cams]), t[-3], t[-2], noise=t[-1])
+                )
+                noise = torch.randn(1, chunk, 32, device=dev)
+                try:
+                    rows.append(
+                        chunk_latency(
+                            "LeRobot 0.4.4, CUDA graph", lambda: graphed(*imgs1, *masks1, one(tokens), one(token_masks), noise), args
+                        )
+                    )
+                except Exception as e:  # a host sync in its sampler fails the capture: report it
+                    print(f"LeRobot CUDA graph failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                lr.train()
         if args.compile:
             # what LeRobot's compile_model does (its forward and sample_actions through torch.compile),
             # in torch.compile's default mode as LoongForge's row uses
@@ -227,13 +259,19 @@ def main() -> int:
     for r in rows:
         print(f"{r['name']:22s} {r['step_ms']:9.1f} {r['samples_per_s']:10.2f} {r['peak_gib']:9.1f} {r['chunk_latency_ms']:9.1f}")
     by_name = {r["name"]: r for r in rows}
-    for ours_name, theirs_name in (("LoongForge", "LeRobot 0.4.4"), ("LoongForge + compile", "LeRobot 0.4.4 + compile")):
+    pairs = (("LoongForge", "LeRobot 0.4.4"), ("LoongForge + compile", "LeRobot 0.4.4 + compile"))
+    for ours_name, theirs_name in pairs:
         r, base = by_name.get(ours_name), by_name.get(theirs_name)
         if r and base:
             print(
                 f"{ours_name} / {theirs_name}: throughput {r['samples_per_s'] / base['samples_per_s']:.2f}x, "
                 f"memory {r['peak_gib'] / base['peak_gib']:.2f}x, chunk latency {base['chunk_latency_ms'] / r['chunk_latency_ms']:.2f}x faster"
             )
+    graph_rows = ("LoongForge, CUDA graph", "LeRobot 0.4.4, CUDA graph", "LeRobot 0.4.4")
+    r = by_name.get(graph_rows[0])
+    for theirs in graph_rows[1:]:
+        if r and theirs in by_name:
+            print(f"{graph_rows[0]} / {theirs}: chunk latency {by_name[theirs]['chunk_latency_ms'] / r['chunk_latency_ms']:.2f}x faster")
     return 0
 
 
