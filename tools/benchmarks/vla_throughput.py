@@ -116,8 +116,11 @@ def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, t
             expert=GemmaConfig(**shared, hidden_size=64, ffn_hidden_size=96, adarms_cond_dim=64),
             chunk_size=chunk,
         )
-    with torch.device(dev):
-        ours = PiPolicy(cfg).to(torch.bfloat16)
+    from loongforge.core.ops import OpTable
+    from loongforge.core.registry import registry
+
+    with torch.device(dev):  # with the op table `loongforge-embodied train` builds for the device
+        ours = PiPolicy(cfg, OpTable.build(None, registry(), dev)).to(torch.bfloat16)
     # the parameters LeRobot keeps in fp32 in its bf16 mode, kept so here too
     for m in (
         ours.vision.patch_embed,

@@ -91,7 +91,11 @@ class PolicyRunner:
 
         run_dir = Path(run_dir)
         cfg, state = read_run(run_dir, ema)
-        policy = PiPolicy(cfg.policy)
+        from loongforge.core.ops import OpTable
+        from loongforge.core.registry import registry
+
+        # the kernels training ran with (the run's `ops` choices, each op's fastest for the device)
+        policy = PiPolicy(cfg.policy, OpTable.build(cfg.ops, registry(), torch.device(device).type))
         policy.load_state_dict(state, strict=True)
         stats = json.loads((run_dir / "normalizer.json").read_text())
         first = next(iter(stats.values()))  # the first dataset's normalization
