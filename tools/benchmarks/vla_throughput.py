@@ -91,6 +91,13 @@ def measure(name: str, step, infer, batch: int, args) -> dict:
     return row
 
 
+PROFILE_CATEGORIES = (
+    ("attention", ("fmha", "flash", "attention", "Attention", "sdpa")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "Gemm")),
+    ("optimizer", ("multi_tensor", "foreach", "adam")),
+)
+
+
 def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, tokens, token_masks, actions, one) -> None:
     from loongforge.core.foundation.gemma import GemmaConfig
     from loongforge.core.foundation.siglip import SiglipVisionConfig
@@ -140,9 +147,13 @@ def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, t
     ours.train()
     loss_fn = lambda: ours.flow_matching_loss(obs, actions)  # noqa: E731
     if not args.compiled_only:
-        rows.append(
-            measure("LoongForge", train_step_fn(loss_fn, ours.parameters(), action_dim), lambda: ours.sample_actions(obs1), b, args)
-        )
+        step = train_step_fn(loss_fn, ours.parameters(), action_dim)
+        rows.append(measure("LoongForge", step, lambda: ours.sample_actions(obs1), b, args))
+        if args.profile and dev == "cuda":
+            from llm_throughput import profile_shares
+
+            shares = profile_shares(step, PROFILE_CATEGORIES, steps=2, top=25)
+            print("shares of our eager step's GPU time: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()), flush=True)
         if dev == "cuda":
             ours.eval()
             sampler, noise = ours.graphed_sampler(), torch.randn(1, chunk, 32, device=dev)
@@ -169,9 +180,11 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="also time LoongForge with torch.compile on the loss and the velocity")
     ap.add_argument("--compiled-only", action="store_true", help="with --compile: only the compiled rows (both sides)")
     ap.add_argument("--skip-lerobot", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of our eager step")
     ap.add_argument("--tiny", action="store_true", help="the oracle's tiny shapes (a dry run of this script, on the CPU too)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "oracles"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import pi_vs_lerobot as harness
 
     sys.path.insert(0, args.site)
