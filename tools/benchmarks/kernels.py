@@ -496,6 +496,66 @@ def packed_attention_rows(configs):
     return rows
 
 
+def masked_attention_rows(configs):
+    """Attention under an additive mask (pi0's block mask: bf16 [b, 1, s, t]) with grouped keys and
+    values (8 query heads, 1 group, head size 256), forward (+ backward where `train`): SDPA given
+    the groups (`enable_gqa`, what `gemma.masked_attention` calls) against SDPA on keys and values
+    repeated to every head, each with torch's choice of backend and with each backend forced."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for b, hq, hk, s, t, d, train in configs:
+        q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=train)
+        k = torch.randn(b, hk, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=train)
+        v = torch.randn(b, hk, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=train)
+        keep = torch.rand(b, 1, s, t, device="cuda") < 0.9
+        keep[..., 0] = True
+        bias = torch.zeros(b, 1, s, t, device="cuda", dtype=torch.bfloat16).masked_fill_(~keep, -2.3819763e38)
+        g = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+
+        def gqa():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+        def repeated():
+            r = hq // hk
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), attn_mask=bias)
+
+        setups = [("SDPA enable_gqa", gqa, None), ("SDPA repeated k/v", repeated, None)]
+        for backend in (SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+            setups.append((f"repeated k/v, {backend.name}", repeated, backend))
+        for name, fn, backend in setups:
+
+            def run(fn=fn, backend=backend):
+                if backend is None:
+                    return fwd_bwd(fn, (q, k, v), g)() if train else fn()
+                with sdpa_kernel([backend]):
+                    return fwd_bwd(fn, (q, k, v), g)() if train else fn()
+
+            try:
+                run()
+                ms = bench(run, warmup=10, rep=50)
+            except Exception as e:  # a backend that does not take these inputs
+                print(f"  {name}: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:100]})", flush=True)
+                continue
+            rows.append(
+                {
+                    "kernel": f"masked attention {'fwd+bwd' if train else 'fwd'}",
+                    "shape": f"{b}x{hq}/{hk}x{s}x{t}x{d}",
+                    "setup": name,
+                    "ms": ms,
+                }
+            )
+            print(f"  {rows[-1]['kernel']} {rows[-1]['shape']} {name}: {ms:.3f} ms", flush=True)
+    return rows
+
+
+MASKED_ATTENTION_CONFIGS = (
+    (32, 8, 1, 762, 762, 256, True),  # pi0.5 training: batch 32, prefix 712 + 50 actions
+    (1, 8, 1, 712, 712, 256, False),  # the prefix pass of one action chunk
+    (1, 8, 1, 50, 762, 256, False),  # one flow step: 50 action queries on the cached prefix
+)
+
+
 PACKED_ATTENTION_CONFIGS = (
     [([32760], 12, 12, 128, False), ([32760, 14040, 3600, 1560], 12, 12, 128, False)]  # Wan 1.3B: one clip, the benchmark's MIX
     + [([n] * (32768 // n), 12, 12, 128, False) for n in (16384, 8192, 4096, 2048, 1024, 512)]
@@ -692,7 +752,7 @@ def main():
     p.add_argument(
         "--only",
         default="rms_norm,swiglu,rope,rotary,qkv_rope,moe,attention_layout,adamw,sum_squares,linear_ce,linear_ce_moe",
-        help="comma-separated parts (also packed_attention); linear_ce_moe: the fused loss at the MoE benchmark's shape (4096 x 2048 x 151936)",
+        help="comma-separated parts (also packed_attention, masked_attention); linear_ce_moe: the fused loss at the MoE benchmark's shape (4096 x 2048 x 151936)",
     )
     p.add_argument("--quick", action="store_true", help="one small shape per kernel")
     p.add_argument("--json", default=None)
@@ -734,6 +794,8 @@ def main():
         rows += linear_ce_rows(copy_gbs) if not a.quick else linear_ce_rows(copy_gbs, 2048, 1024, 32000)
     if "packed_attention" in only:
         rows += packed_attention_rows(PACKED_ATTENTION_CONFIGS if not a.quick else PACKED_ATTENTION_CONFIGS[:2])
+    if "masked_attention" in only:
+        rows += masked_attention_rows(MASKED_ATTENTION_CONFIGS)
     if "linear_ce_moe" in only:
         rows += linear_ce_rows(copy_gbs, 4096, 2048, 151936, budgets_mib=(128, 512, 2048))
     print(
