@@ -444,18 +444,33 @@ def test_sum_squares_matches_float64(dtype):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0, msg=name)
 
 
-def test_packed_attention_of_one_sample_takes_sdpa(monkeypatch):
-    """A pack of one sample goes to SDPA over the whole rows (cuDNN's attention on Hopper), never
-    to the flash varlen kernel; packs of several samples still reach the varlen kernel."""
+def test_packed_attention_routes_by_pack_shape(monkeypatch):
+    """One-sample packs (causal or not) and bidirectional packs of at most 16 samples with one of
+    8192+ tokens run SDPA (cuDNN's attention on Hopper), never the flash varlen kernel; packs of
+    shorter or more samples reach it. Every route gives the reference's result."""
     from loongforge.kernels import varlen_attention as va
 
     calls = []
     monkeypatch.setattr(va, "_flash", lambda *a, **k: calls.append(a[3].shape[0]))  # returns None: the reference runs
     torch.manual_seed(0)
     q, k, v = (torch.randn(10, 2, 8) for _ in range(3))
-    one = torch.tensor([0, 10])
+    one, two = torch.tensor([0, 10]), torch.tensor([0, 4, 10])
     torch.testing.assert_close(va.packed_attention(q, k, v, one, one), ref.packed_attention(q, k, v, one, one), **TOL)
+    torch.testing.assert_close(va.varlen_attention(q, k, v, one), ref.varlen_attention(q, k, v, one), **TOL)
     assert calls == []
-    two = torch.tensor([0, 4, 10])
     torch.testing.assert_close(va.packed_attention(q, k, v, two, two), ref.packed_attention(q, k, v, two, two), **TOL)
-    assert calls == [3]
+    torch.testing.assert_close(va.varlen_attention(q, k, v, two), ref.varlen_attention(q, k, v, two), **TOL)
+    assert calls == [3, 3]
+    # the longest sample's length decides (the max_seqlen hint, or the bounds where none is given)
+    calls.clear()
+    long = va.PER_SAMPLE_MIN_LEN
+    for n, hint, routed in ((2, long, False), (2, long - 1, True), (va.PER_SAMPLE_MAX_SAMPLES + 1, long, True)):
+        cu = torch.tensor([0, 4, 10] if n == 2 else [0] * n + [10])  # (empty samples are valid bounds)
+        va.packed_attention(q, k, v, cu, cu, None, hint, hint)
+        assert bool(calls) == routed, (n, hint)
+        calls.clear()
+    t = 2 * long + 3
+    q2, k2, v2 = (torch.randn(t, 1, 8) for _ in range(3))
+    cu = torch.tensor([0, long + 3, t])
+    torch.testing.assert_close(va.packed_attention(q2, k2, v2, cu, cu), ref.packed_attention(q2, k2, v2, cu, cu), **TOL)
+    assert calls == []

@@ -475,10 +475,10 @@ def packed_attention_rows(configs):
         pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
         flops = 3.5 * 4 * pairs * heads * d  # forward 4 * pairs * heads * d, backward 2.5x that
         setups = {
-            "flash varlen": lambda: _flash(q, k, v, cu, cu, longest, longest, causal, None),
-            "SDPA per sample": (lambda: ref.varlen_attention(q, k, v, cu, None, longest))
+            "flash varlen": lambda q, k, v: _flash(q, k, v, cu, cu, longest, longest, causal, None),
+            "SDPA per sample": (lambda q, k, v: ref.varlen_attention(q, k, v, cu, None, longest))
             if causal
-            else (lambda: ref.packed_attention(q, k, v, cu, cu, None, longest, longest)),
+            else (lambda q, k, v: ref.packed_attention(q, k, v, cu, cu, None, longest, longest)),
         }
         shape = f"{len(lengths)} x {longest}" if len(set(lengths)) == 1 else "+".join(map(str, lengths))
         for name, fn in setups.items():
@@ -513,10 +513,10 @@ def masked_attention_rows(configs):
         bias = torch.zeros(b, 1, s, t, device="cuda", dtype=torch.bfloat16).masked_fill_(~keep, -2.3819763e38)
         g = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
 
-        def gqa():
+        def gqa(q=q, k=k, v=v):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
 
-        def repeated():
+        def repeated(q=q, k=k, v=v):
             r = hq // hk
             return F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), attn_mask=bias)
 

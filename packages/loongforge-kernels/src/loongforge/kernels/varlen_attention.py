@@ -2,8 +2,11 @@
 (`torch.nn.attention.varlen.varlen_attn`, CUDA, fp16/bf16): one launch for the whole pack,
 never attending across samples; causal (`varlen_attention`: packed LLM samples) or bidirectional
 with separate query and key bounds (`packed_attention`: a ViT's windows and images, a diffusion
-transformer's samples). Other dtypes, devices, torch builds, head sizes the kernel does not take
-(not a multiple of 8, over 256) and value head sizes other than the query's use core's reference."""
+transformer's samples). Where SDPA is faster, core's reference runs instead (SDPA per sample):
+packs of one sample, and bidirectional packs of a few long samples (`PER_SAMPLE_*` below, with
+the measurements behind them). Other dtypes, devices, torch builds, head sizes the kernel does
+not take (not a multiple of 8, over 256) and value head sizes other than the query's use the
+reference too."""
 
 from __future__ import annotations
 
@@ -52,7 +55,24 @@ def _flash(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale):
     return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
 
+# SDPA per sample (cuDNN's attention on Hopper) against the flash varlen kernel over the whole
+# pack, forward + backward in bf16 on an H100 (`tools/benchmarks/kernels.py --only
+# packed_attention`): bidirectional, 12 heads x 128, 4 x 8192 tokens 12.7 against 17.8 ms, the
+# Wan benchmark's mix of 32760 + 14040 + 3600 + 1560 tokens 54.3 against 89.9, 8 x 4096 9.7
+# against 9.2, 16 x 2048 12.9 against 4.8; causal, 32 / 8 heads x 128, one sample of 4096 tokens
+# 1.5 against 2.0 ms, of 8192 4.3 against 6.6, but 4 x 2048 3.2 against 2.2.
+PER_SAMPLE_MIN_LEN = 8192  # a bidirectional pack whose longest sample is this long ...
+PER_SAMPLE_MAX_SAMPLES = 16  # ... and that holds at most this many samples runs SDPA per sample
+
+
+def _whole_rows(q, k, v, causal: bool, scale):
+    """SDPA over a one-sample pack's whole rows (no host read of the bounds)."""
+    return reference.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, scale)[0].transpose(0, 1)
+
+
 def varlen_attention(q, k, v, cu_seqlens, scale=None, max_seqlen=None):
+    if cu_seqlens.shape[0] == 2:
+        return _whole_rows(q, k, v, True, scale)
     out = _flash(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, scale)
     return reference.varlen_attention(q, k, v, cu_seqlens, scale, max_seqlen) if out is None else out
 
@@ -60,10 +80,13 @@ def varlen_attention(q, k, v, cu_seqlens, scale=None, max_seqlen=None):
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, max_seqlen_q=None, max_seqlen_k=None):
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(f"packed_attention: {cu_seqlens_q.shape[0] - 1} query samples but {cu_seqlens_k.shape[0] - 1} key samples")
-    if cu_seqlens_q.shape[0] == 2:
-        # one sample: SDPA over the whole rows, which takes cuDNN's attention on Hopper: 1.7x the
-        # flash varlen kernel's backward at Wan's 32,760 tokens on an H200
-        return reference.packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k)
+    samples = cu_seqlens_q.shape[0] - 1
+    if samples == 1:
+        return _whole_rows(q, k, v, False, scale)
+    if samples <= PER_SAMPLE_MAX_SAMPLES:
+        longest = max_seqlen_q if max_seqlen_q is not None else int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        if longest >= PER_SAMPLE_MIN_LEN:
+            return reference.packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k)
     out = _flash(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, False, scale)
     if out is None:
         return reference.packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k)
