@@ -195,13 +195,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     bias = attention_bias(mask, q.dtype) if mask.dtype == torch.bool else mask.to(q.dtype)
-    if gqa:
-        # SDPA's CUDA kernels that take a mask take no grouped keys: with `enable_gqa` torch falls
-        # back to its math path (fp32 scores in memory); each query head gets its group's copy
-        b, g, t, d = k.shape
-        r = q.shape[1] // g
-        k, v = (x[:, :, None].expand(b, g, r, t, d).reshape(b, g * r, t, d) for x in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
 
 
 class GemmaLayer(nn.Module):
