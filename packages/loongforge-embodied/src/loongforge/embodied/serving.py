@@ -88,12 +88,11 @@ class PolicyRunner:
     @classmethod
     def from_run_dir(cls, run_dir, device: str = "cpu", seed: int = 0, ema: bool | None = None, cuda_graphs: bool = True) -> "PolicyRunner":
         from loongforge.core.data.text import load_tokenizer
-
-        run_dir = Path(run_dir)
-        cfg, state = read_run(run_dir, ema)
         from loongforge.core.ops import OpTable
         from loongforge.core.registry import registry
 
+        run_dir = Path(run_dir)
+        cfg, state = read_run(run_dir, ema)
         # the kernels training ran with (the run's `ops` choices, each op's fastest for the device)
         policy = PiPolicy(cfg.policy, OpTable.build(cfg.ops, registry(), torch.device(device).type))
         policy.load_state_dict(state, strict=True)

@@ -65,29 +65,31 @@ PER_SAMPLE_MIN_LEN = 8192  # a bidirectional pack whose longest sample is this l
 PER_SAMPLE_MAX_SAMPLES = 16  # ... and that holds at most this many samples runs SDPA per sample
 
 
-def _whole_rows(q, k, v, causal: bool, scale):
-    """SDPA over a one-sample pack's whole rows (no host read of the bounds)."""
-    return reference.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, scale)[0].transpose(0, 1)
+def _sdpa_wins(cu_seqlens, max_seqlen, causal: bool) -> bool:
+    """Whether SDPA per sample (core's reference) beats the flash kernel on this pack: one sample
+    (the reference reads no bounds then), or a bidirectional pack of a few long samples."""
+    samples = cu_seqlens.shape[0] - 1
+    if samples == 1:
+        return True
+    if causal or samples > PER_SAMPLE_MAX_SAMPLES:
+        return False
+    longest = max_seqlen if max_seqlen is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return longest >= PER_SAMPLE_MIN_LEN
 
 
 def varlen_attention(q, k, v, cu_seqlens, scale=None, max_seqlen=None):
-    if cu_seqlens.shape[0] == 2:
-        return _whole_rows(q, k, v, True, scale)
-    out = _flash(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, scale)
+    out = None
+    if not _sdpa_wins(cu_seqlens, max_seqlen, True):
+        out = _flash(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, scale)
     return reference.varlen_attention(q, k, v, cu_seqlens, scale, max_seqlen) if out is None else out
 
 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, max_seqlen_q=None, max_seqlen_k=None):
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(f"packed_attention: {cu_seqlens_q.shape[0] - 1} query samples but {cu_seqlens_k.shape[0] - 1} key samples")
-    samples = cu_seqlens_q.shape[0] - 1
-    if samples == 1:
-        return _whole_rows(q, k, v, False, scale)
-    if samples <= PER_SAMPLE_MAX_SAMPLES:
-        longest = max_seqlen_q if max_seqlen_q is not None else int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        if longest >= PER_SAMPLE_MIN_LEN:
-            return reference.packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k)
-    out = _flash(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, False, scale)
+    out = None
+    if not _sdpa_wins(cu_seqlens_q, max_seqlen_q, False):
+        out = _flash(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, False, scale)
     if out is None:
         return reference.packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k)
     return out

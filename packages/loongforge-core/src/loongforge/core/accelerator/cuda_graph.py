@@ -22,7 +22,7 @@ class _Graph:
 class GraphedCall:
     """`GraphedCall(fn)(*tensors)` returns what `fn(*tensors)` returns (a tensor or a tuple of
     tensors), replayed from a CUDA graph captured the first time its input signature (each
-    tensor's shape, dtype and device) is seen: the inputs are copied into the graph's own
+    tensor's shape, stride, dtype and device) is seen: the inputs are copied into the graph's own
     buffers and the outputs cloned out of them. At most `max_graphs` signatures are kept (the
     least recently used is dropped). Inputs off CUDA run `fn` directly.
 

@@ -262,8 +262,15 @@ def varlen_attention(
     sample (a hint for kernels that size their grid by it). Returns [total, heads, v_head_dim].
     The reference runs SDPA per sample (exact; faster kernels take the whole pack at once).
     """
+    if cu_seqlens.shape[0] == 2:
+        return _whole_rows(q, k, v, True, scale)
     bounds = cu_seqlens.tolist()
     return _per_sample(q, k, v, bounds, bounds, True, scale)
+
+
+def _whole_rows(q, k, v, causal: bool, scale) -> torch.Tensor:
+    """SDPA over a one-sample pack's whole rows (read without a device sync of the bounds)."""
+    return attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, scale)[0].transpose(0, 1)
 
 
 def _per_sample(q, k, v, bq: list, bk: list, causal: bool, scale) -> torch.Tensor:
@@ -343,6 +350,6 @@ def packed_attention(
     """
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(f"packed_attention: {cu_seqlens_q.shape[0] - 1} query samples but {cu_seqlens_k.shape[0] - 1} key samples")
-    if cu_seqlens_q.shape[0] == 2:  # one sample: the whole rows (read without a device sync)
-        return attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], False, scale)[0].transpose(0, 1)
+    if cu_seqlens_q.shape[0] == 2:
+        return _whole_rows(q, k, v, False, scale)
     return _per_sample(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), False, scale)
