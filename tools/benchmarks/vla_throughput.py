@@ -3,7 +3,9 @@
 
 Shape of the paper's model: PaliGemma (SigLIP So400m/14 at 224, Gemma 2B) plus the 300M action
 expert, batch 32, 2 cameras, a 200-token prompt, action chunk 50 (32-wide), AdamW (betas 0.9 /
-0.95, weight decay 0.01) with gradient clipping at 1.0 on both sides, no activation recompute,
+0.95, weight decay 0.01) with gradient clipping at 1.0 on both sides, each side's update as its
+trainer runs it (LeRobot: torch.optim.AdamW and clip_grad_norm_; ours: TableAdamW with the op
+table's `adamw` and `sum_squares`, clipping inside the update), no activation recompute,
 no torch.compile unless `--compile` (then both sides also run compiled, in torch.compile's
 default mode: LoongForge's loss and denoising step, LeRobot's forward and sample_actions as its
 `compile_model` option compiles them). Precision: LeRobot's `dtype="bfloat16"` on both sides:
@@ -51,15 +53,39 @@ def timed(fn, warmup: int, iters: int) -> list[float]:
     return out
 
 
+ADAMW = dict(lr=2.5e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
 def train_step_fn(loss_fn, params, action_dim: int):
+    """LeRobot's update: torch.optim.AdamW as its AdamWConfig builds it, torch's clip_grad_norm_."""
     params = [p for p in params if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=2.5e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    opt = torch.optim.AdamW(params, **ADAMW)
 
     def step():
         loss = loss_fn()[:, :, :action_dim].float().mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def trainer_step_fn(loss_fn, params, action_dim: int, ops):
+    """Our trainer's update (the same AdamW and clipping at 1.0): `TableAdamW` with the op table's
+    `adamw`, the gradient norm through its `sum_squares`, clipping and the NaN/Inf guard applied
+    inside the update by `clipped_step`."""
+    from loongforge.core.stacks.grads import grad_sq_norm
+    from loongforge.core.train.optimizer import TableAdamW
+    from loongforge.core.train.trainer import clipped_step
+
+    params = [p for p in params if p.requires_grad]
+    opt = TableAdamW(params, update=ops.adamw, sum_squares=ops.sum_squares, **ADAMW)
+
+    def step():
+        loss = loss_fn()[:, :, :action_dim].float().mean()
+        loss.backward()
+        clipped_step(opt, grad_sq_norm(params, loss.device, opt.sum_squares).sqrt(), 1.0, loss)
         opt.zero_grad(set_to_none=True)
 
     return step
@@ -126,8 +152,9 @@ def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, t
     from loongforge.core.ops import OpTable
     from loongforge.core.registry import registry
 
+    ops = OpTable.build(None, registry(), dev)
     with torch.device(dev):  # with the op table `loongforge-embodied train` builds for the device
-        ours = PiPolicy(cfg, OpTable.build(None, registry(), dev)).to(torch.bfloat16)
+        ours = PiPolicy(cfg, ops).to(torch.bfloat16)
     # the parameters LeRobot keeps in fp32 in its bf16 mode, kept so here too
     for m in (
         ours.vision.patch_embed,
@@ -147,7 +174,7 @@ def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, t
     ours.train()
     loss_fn = lambda: ours.flow_matching_loss(obs, actions)  # noqa: E731
     if not args.compiled_only:
-        step = train_step_fn(loss_fn, ours.parameters(), action_dim)
+        step = trainer_step_fn(loss_fn, ours.parameters(), action_dim, ops)
         rows.append(measure("LoongForge", step, lambda: ours.sample_actions(obs1), b, args))
         if args.profile and dev == "cuda":
             from llm_throughput import profile_shares
@@ -164,7 +191,7 @@ def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, t
             compiled_loss = torch.compile(ours.flow_matching_loss)
             compiled_velocity = torch.compile(ours.cached_velocity)
             ours.cached_velocity = compiled_velocity
-            step = train_step_fn(lambda: compiled_loss(obs, actions), ours.parameters(), action_dim)
+            step = trainer_step_fn(lambda: compiled_loss(obs, actions), ours.parameters(), action_dim, ops)
             rows.append(measure("LoongForge + compile", step, lambda: ours.sample_actions(obs1), b, args))
         except Exception as e:  # report and keep the eager rows
             print(f"compile failed: {type(e).__name__}: {e}", flush=True)
