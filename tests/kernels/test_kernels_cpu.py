@@ -64,13 +64,25 @@ def test_rms_norm_non_contiguous_input():
     _compare(lambda a, b: rms_norm(a, b, 1e-6), lambda a, b: ref.rms_norm(a, b, 1e-6), [x, w], torch.randn(4, 9, 24))
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 22), (5, 2048 + 6)])
-def test_swiglu(shape):
-    from loongforge.kernels.swiglu import swiglu
+@pytest.mark.parametrize("shape", [(3, 5, 40), (40, 1000)])
+def test_gemma_rms_norm(shape):
+    from loongforge.kernels.rms_norm import gemma_rms_norm
 
     torch.manual_seed(0)
-    x = torch.randn(shape)
-    _compare(swiglu, ref.swiglu, [x], torch.randn(*shape[:-1], shape[-1] // 2))
+    x, w = torch.randn(shape), torch.randn(shape[-1])
+    _compare(lambda a, b: gemma_rms_norm(a, b, 1e-6), lambda a, b: ref.gemma_rms_norm(a, b, 1e-6), [x, w], torch.randn(shape))
+    xt = torch.randn(shape[-1], *shape[:-1]).movedim(0, -1)  # rows not contiguous
+    _compare(lambda a, b: gemma_rms_norm(a, b, 1e-6), lambda a, b: ref.gemma_rms_norm(a, b, 1e-6), [xt, w], torch.randn(shape))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 22), (5, 2048 + 6)])
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_gated_activation(shape, op):
+    from loongforge.kernels import swiglu
+
+    torch.manual_seed(0)
+    x = 3 * torch.randn(shape)  # reaches both tails of the activations
+    _compare(getattr(swiglu, op), getattr(ref, op), [x], torch.randn(*shape[:-1], shape[-1] // 2))
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -474,3 +486,42 @@ def test_packed_attention_routes_by_pack_shape(monkeypatch):
     cu = torch.tensor([0, long + 3, t])
     torch.testing.assert_close(va.packed_attention(q2, k2, v2, cu, cu), ref.packed_attention(q2, k2, v2, cu, cu), **TOL)
     assert calls == []
+
+
+def test_gemma_with_kernel_ops_matches_reference_ops():
+    """A Gemma decoder whose norms and gated MLP run as the `gemma_rms_norm` and `geglu` kernels
+    against the same weights on core's reference ops: final states and every gradient, fp32."""
+    from loongforge.core.foundation.gemma import GemmaConfig, GemmaModel
+    from loongforge.core.ops import OpTable
+    from loongforge.kernels.rms_norm import gemma_rms_norm
+    from loongforge.kernels.swiglu import geglu
+
+    cfg = GemmaConfig(num_layers=2, hidden_size=48, num_attention_heads=4, num_query_groups=2, head_dim=16, ffn_hidden_size=80)
+    calls = {"gemma_rms_norm": 0, "geglu": 0}
+
+    def counted(name, fn):
+        def wrapper(*a):
+            calls[name] += 1
+            return fn(*a)
+
+        return wrapper
+
+    torch.manual_seed(0)
+    kernels = {"gemma_rms_norm": counted("gemma_rms_norm", gemma_rms_norm), "geglu": counted("geglu", geglu)}
+    fused = GemmaModel(cfg, OpTable({**OpTable().impls, **kernels}))
+    plain = GemmaModel(cfg, OpTable())
+    for p in fused.parameters():  # norm weights away from 0, so their gradients are checked
+        if p.dim() == 1:
+            p.data.uniform_(-0.5, 0.5)
+    plain.load_state_dict(fused.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    outs, grads = [], []
+    for m in (fused, plain):
+        out = m(m.embed(ids))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs.append(out)
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert calls == {"gemma_rms_norm": 2 * 2 + 1, "geglu": 2}  # two norms and one MLP per layer, the final norm
+    torch.testing.assert_close(outs[0], outs[1], **TOL)
+    for n in grads[1]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], **TOL, msg=n)

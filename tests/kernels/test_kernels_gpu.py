@@ -68,11 +68,37 @@ def test_rms_norm_fp32_weight_bf16_activations_gpu():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,two_f", [(7, 2000), (8192, 11264)])
-def test_swiglu_gpu(dtype, rows, two_f):
-    from loongforge.kernels.swiglu import swiglu
+@pytest.mark.parametrize("rows,hidden", [(7, 1000), (4096, 2048)])
+def test_gemma_rms_norm_gpu(dtype, rows, hidden):
+    """Gemma's norm, also with the fp32 weight pi0.5 keeps beside bf16 activations (output in the
+    activations' dtype)."""
+    from loongforge.kernels.rms_norm import gemma_rms_norm
 
-    check(swiglu, ref.swiglu, [torch.randn(rows, two_f, device="cuda", dtype=dtype)], torch.randn(rows, two_f // 2, device="cuda"))
+    x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+    for w in (torch.randn(hidden, device="cuda", dtype=dtype), torch.randn(hidden, device="cuda")):
+        check(
+            lambda a, b: gemma_rms_norm(a, b, 1e-6),
+            lambda a, b: ref.gemma_rms_norm(a, b, 1e-6),
+            [x, w],
+            torch.randn(rows, hidden, device="cuda"),
+        )
+    xt = torch.randn(hidden, rows, device="cuda", dtype=dtype).T  # non-contiguous rows
+    check(
+        lambda a, b: gemma_rms_norm(a, b, 1e-6),
+        lambda a, b: ref.gemma_rms_norm(a, b, 1e-6),
+        [xt, w],
+        torch.randn(rows, hidden, device="cuda"),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,two_f", [(7, 2000), (8192, 11264)])
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_gated_activation_gpu(dtype, rows, two_f, op):
+    from loongforge.kernels import swiglu
+
+    x = 3 * torch.randn(rows, two_f, device="cuda", dtype=dtype)
+    check(getattr(swiglu, op), getattr(ref, op), [x], torch.randn(rows, two_f // 2, device="cuda"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,6 +1,6 @@
 """Kernel benchmarks on one GPU, baselines in the same process: LoongForge's Triton kernels
 against torch.compile of core's reference, torch's own op (F.rms_norm), Liger-Kernel's kernel
-(RMSNorm, SwiGLU, RoPE and rotary, fused linear + CE) and megatron-core's MoE permute/unpermute
+(RMSNorm, Gemma's RMSNorm, SwiGLU, GeGLU, RoPE and rotary, fused linear + CE) and megatron-core's MoE permute/unpermute
 where one exists. Forward + backward, bf16. The RoPE, rotary and MoE setups are first checked against
 the eager reference on the same inputs (outputs and gradients), so a peer called the wrong way
 stops the run instead of being timed.
@@ -132,20 +132,60 @@ def rms_norm_rows(shapes, copy_gbs):
     return rows
 
 
-def swiglu_rows(shapes, copy_gbs):
-    from loongforge.kernels.swiglu import swiglu
+def gemma_rms_norm_rows(shapes, copy_gbs):
+    """Gemma's norm with the fp32 weight pi0.5 keeps beside bf16 activations."""
+    from loongforge.kernels.rms_norm import gemma_rms_norm
+
+    rows = []
+    for tokens, hidden in shapes:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.nn.Parameter(0.1 * torch.randn(hidden, device="cuda"))
+        g = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        setups = {
+            "loongforge": lambda a, b: gemma_rms_norm(a, b, 1e-6),
+            "torch.compile(reference)": torch.compile(lambda a, b: ref.gemma_rms_norm(a, b, 1e-6), dynamic=False),
+            "eager reference": lambda a, b: ref.gemma_rms_norm(a, b, 1e-6),
+        }
+        liger = maybe(
+            lambda: (
+                __import__("liger_kernel.transformers", fromlist=["LigerRMSNorm"])
+                .LigerRMSNorm(hidden, eps=1e-6, offset=1.0, casting_mode="gemma", init_fn="zeros")
+                .cuda()
+            )
+        )
+        if liger is not None:
+            liger.weight = w
+            setups["liger"] = lambda a, b: liger(a)
+        nbytes = 5 * tokens * hidden * 2  # fwd: read x, write y; bwd: read x and dy, write dx
+        for name, fn in setups.items():
+            rows.append(row("gemma_rms_norm fwd+bwd", f"{tokens}x{hidden}", name, fwd_bwd(fn, [x, w], g), nbytes, copy_gbs, cold=True))
+    return rows
+
+
+LIGER_GATED = {"swiglu": ("liger_kernel.ops.swiglu", "LigerSiLUMulFunction"), "geglu": ("liger_kernel.ops.geglu", "LigerGELUMulFunction")}
+
+
+def gated_rows(op, shapes, copy_gbs):
+    """`swiglu` or `geglu` on [gate | up]."""
+    from loongforge.kernels import swiglu as kernels
 
     rows = []
     for tokens, ffn in shapes:
         x = torch.randn(tokens, 2 * ffn, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(tokens, ffn, device="cuda", dtype=torch.bfloat16)
-        setups = {"loongforge": swiglu, "torch.compile(reference)": torch.compile(ref.swiglu, dynamic=False), "eager reference": ref.swiglu}
-        lig = maybe(lambda: __import__("liger_kernel.ops.swiglu", fromlist=["LigerSiLUMulFunction"]).LigerSiLUMulFunction)
+        reference = getattr(ref, op)
+        setups = {
+            "loongforge": getattr(kernels, op),
+            "torch.compile(reference)": torch.compile(reference, dynamic=False),
+            "eager reference": reference,
+        }
+        module, name = LIGER_GATED[op]
+        lig = maybe(lambda: getattr(__import__(module, fromlist=[name]), name))
         if lig is not None:
             setups["liger"] = lambda a: lig.apply(a[:, :ffn], a[:, ffn:])
         nbytes = (2 + 1 + 2 + 1 + 2) * tokens * ffn * 2  # fwd: read gate+up, write out; bwd: read gate+up+dout, write 2
         for name, fn in setups.items():
-            rows.append(row("swiglu fwd+bwd", f"{tokens}x{ffn}", name, fwd_bwd(fn, [x], g), nbytes, copy_gbs, cold=True))
+            rows.append(row(f"{op} fwd+bwd", f"{tokens}x{ffn}", name, fwd_bwd(fn, [x], g), nbytes, copy_gbs, cold=True))
     return rows
 
 
@@ -752,7 +792,7 @@ def main():
     p.add_argument(
         "--only",
         default="rms_norm,swiglu,rope,rotary,qkv_rope,moe,attention_layout,adamw,sum_squares,linear_ce,linear_ce_moe",
-        help="comma-separated parts (also packed_attention, masked_attention); linear_ce_moe: the fused loss at the MoE benchmark's shape (4096 x 2048 x 151936)",
+        help="comma-separated parts (also gemma, packed_attention, masked_attention); gemma: Gemma's norm and GeGLU at pi0.5's shape; linear_ce_moe: the fused loss at the MoE benchmark's shape (4096 x 2048 x 151936)",
     )
     p.add_argument("--quick", action="store_true", help="one small shape per kernel")
     p.add_argument("--json", default=None)
@@ -768,7 +808,10 @@ def main():
     if "rms_norm" in only:
         rows += rms_norm_rows(shapes, copy_gbs)
     if "swiglu" in only:
-        rows += swiglu_rows([(t, f) for t in (8192, 32768) for f in (5632, 14336)] if not a.quick else [(8192, 5632)], copy_gbs)
+        rows += gated_rows("swiglu", [(t, f) for t in (8192, 32768) for f in (5632, 14336)] if not a.quick else [(8192, 5632)], copy_gbs)
+    if "gemma" in only:  # pi0.5's backbone at batch 32: 32 x 712 tokens, hidden 2048, ffn 16384
+        rows += gemma_rms_norm_rows([(22784, 2048)], copy_gbs)
+        rows += gated_rows("geglu", [(22784, 16384)] if not a.quick else [(8192, 5632)], copy_gbs)
     if "rope" in only:
         rows += rope_rows(
             [(4, 2048, 16, 16, 128), (1, 8192, 32, 8, 128), (4, 8192, 32, 8, 128)] if not a.quick else [(4, 2048, 16, 16, 128)], copy_gbs

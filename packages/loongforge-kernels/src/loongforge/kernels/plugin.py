@@ -22,10 +22,12 @@ def register(reg) -> None:
     for op, fn in (
         ("rms_norm", rms_norm.rms_norm),
         ("add_rms_norm", rms_norm.add_rms_norm),
+        ("gemma_rms_norm", rms_norm.gemma_rms_norm),
         ("rope", rope.rope),
         ("qkv_rope", qkv_rope.qkv_rope),
         ("rotary", rotary.rotary),
         ("swiglu", swiglu.swiglu),
+        ("geglu", swiglu.geglu),
         ("linear_cross_entropy", linear_cross_entropy.linear_cross_entropy),
         ("moe_permute", moe_permute.moe_permute),
         ("moe_unpermute", moe_permute.moe_unpermute),

@@ -1,10 +1,11 @@
-"""RMSNorm forward/backward in Triton, with an optional fused residual add.
+"""RMSNorm forward/backward in Triton, with an optional fused residual add, and Gemma's variant.
 
 Matches core's reference exactly in its rounding points: the normalized row is cast to the
 input dtype before the weight multiplies it, and the output dtype is that of `x * weight` under
-torch's promotion (fp32 when an fp32 master weight meets bf16 activations). The backward keeps
-everything in fp32 until the final store; the weight gradient is summed per program, then over
-programs.
+torch's promotion (fp32 when an fp32 master weight meets bf16 activations). Gemma's (`GEMMA`):
+rms(x) * (1 + weight) without the intermediate cast, output in the input dtype. The backward
+keeps everything in fp32 until the final store; the weight gradient is summed per program, then
+over programs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def _rms_norm_fwd(
     N,
     eps,
     HAS_RES: tl.constexpr,
+    GEMMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -48,8 +50,12 @@ def _rms_norm_fwd(
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / N + eps)
     tl.store(RSTD + rows, rstd, mask=rmask)
-    xn = (xf * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    xn = xf * rstd[:, None]
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    if GEMMA:
+        w = w + 1.0
+    else:
+        xn = xn.to(X.dtype.element_ty).to(tl.float32)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * xn).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -70,6 +76,7 @@ def _rms_norm_bwd(
     N,
     rows_per_program,
     HAS_DS: tl.constexpr,
+    GEMMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -77,6 +84,8 @@ def _rms_norm_bwd(
     cols = tl.arange(0, BLOCK)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    if GEMMA:
+        w = w + 1.0
     dw = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
     start = pid * rows_per_program
     end = tl.minimum(start + rows_per_program, M)
@@ -88,7 +97,10 @@ def _rms_norm_bwd(
         xr = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
         xhat = xr.to(tl.float32) * rstd[:, None]
-        dw += dy * xhat.to(X.dtype.element_ty).to(tl.float32)
+        if GEMMA:
+            dw += dy * xhat
+        else:
+            dw += dy * xhat.to(X.dtype.element_ty).to(tl.float32)
         g = dy * w[None, :]
         dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
         if HAS_DS:
@@ -118,12 +130,12 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, residual):
+    def forward(ctx, x, weight, eps, residual, gemma=False):
         n = x.shape[-1]
         x2 = _rows(x, n)
         r2 = _rows(residual, n) if residual is not None else None
         m = x2.shape[0]
-        y = torch.empty((m, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        y = torch.empty((m, n), dtype=x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype), device=x.device)
         s = torch.empty_like(x2) if residual is not None else None
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(n)
@@ -144,12 +156,13 @@ class _RMSNorm(torch.autograd.Function):
                 n,
                 eps,
                 HAS_RES=residual is not None,
+                GEMMA=gemma,
                 BLOCK_M=block_m,
                 BLOCK=block,
                 num_warps=warps,
             )
         ctx.save_for_backward(s if s is not None else x2, weight, rstd)
-        ctx.shape, ctx.has_res = x.shape, residual is not None
+        ctx.shape, ctx.has_res, ctx.gemma = x.shape, residual is not None, gemma
         y = y.view(*x.shape[:-1], n)
         return (y, s.view(x.shape)) if residual is not None else y
 
@@ -181,13 +194,14 @@ class _RMSNorm(torch.autograd.Function):
                 n,
                 triton.cdiv(triton.cdiv(m, progs), block_m) * block_m,
                 HAS_DS=ds2 is not None,
+                GEMMA=ctx.gemma,
                 BLOCK_M=block_m,
                 BLOCK=block,
                 num_warps=warps,
             )
         dw = dw_part.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)
         dx = dx.view(ctx.shape)
-        return dx, dw, None, (dx if ctx.has_res else None)
+        return dx, dw, None, (dx if ctx.has_res else None), None
 
 
 def _supported(x, weight) -> bool:
@@ -204,3 +218,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if not _supported(x, weight) or residual.dtype != x.dtype or residual.shape != x.shape:
         return reference.add_rms_norm(x, residual, weight, eps)
     return _RMSNorm.apply(x, weight, eps, residual)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _supported(x, weight):
+        return reference.gemma_rms_norm(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps, None, True)

@@ -139,15 +139,16 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class GemmaRMSNorm(nn.Module):
-    """`norm(x, cond=None)` -> (rms(x) * (1 + weight), None), computed in fp32 and cast back."""
+    """`norm(x, cond=None)` -> (rms(x) * (1 + weight), None), computed in fp32 and cast back (the
+    op table's `gemma_rms_norm`)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: OpTable):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-        return (_rms(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype), None
+        return self.ops.gemma_rms_norm(x, self.weight, self.eps), None
 
 
 class AdaRMSNorm(nn.Module):
@@ -172,10 +173,10 @@ class AdaRMSNorm(nn.Module):
         return (_rms(x, self.eps) * (1 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
 
 
-def _norm(cfg: GemmaConfig) -> nn.Module:
+def _norm(cfg: GemmaConfig, ops: OpTable) -> nn.Module:
     if cfg.adarms_cond_dim:
         return AdaRMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.adarms_cond_dim)
-    return GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps, ops)
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -204,10 +205,10 @@ class GemmaLayer(nn.Module):
         self.cfg, self.ops = cfg, ops
         h, d, g = cfg.hidden_size, cfg.head_dim, cfg.num_query_groups
         self.q_per_group = cfg.num_attention_heads // g
-        self.input_norm = _norm(cfg)
+        self.input_norm = _norm(cfg, ops)
         self.linear_qkv = nn.Linear(h, g * (self.q_per_group + 2) * d, bias=False)
         self.linear_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
-        self.post_attn_norm = _norm(cfg)
+        self.post_attn_norm = _norm(cfg, ops)
         self.linear_fc1 = nn.Linear(h, 2 * cfg.ffn_hidden_size, bias=False)
         self.linear_fc2 = nn.Linear(cfg.ffn_hidden_size, h, bias=False)
 
@@ -226,8 +227,7 @@ class GemmaLayer(nn.Module):
         b, _, s, _ = attn.shape
         x = gated_residual(x, self.linear_proj(attn.transpose(1, 2).reshape(b, s, -1)), gate)
         normed, gate = self.post_attn_norm(x, cond)
-        act, up = self.linear_fc1(normed).chunk(2, dim=-1)
-        return gated_residual(x, self.linear_fc2(F.gelu(act, approximate="tanh") * up), gate)
+        return gated_residual(x, self.linear_fc2(self.ops.geglu(self.linear_fc1(normed))), gate)
 
     def forward(self, x, positions=None, inv_freq=None, mask=None, cond=None, *, phase: str = "full", attn=None, gate=None):
         """The whole layer (`phase="full"`), or one half of it through the module call, so that
@@ -255,7 +255,7 @@ class GemmaModel(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embedding else None
         self.layers = nn.ModuleList(GemmaLayer(cfg, ops) for _ in range(cfg.num_layers))
-        self.final_norm = _norm(cfg)
+        self.final_norm = _norm(cfg, ops)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: rms(x) * (1 + weight), all in fp32, cast to the input dtype at the end."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm block's residual add fused with the next norm: (rms_norm(x + residual), x + residual)."""
     s = x + residual
@@ -167,6 +173,12 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a [..., 2*ffn] tensor laid out [gate | up]: silu(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU on a [..., 2*ffn] tensor laid out [gate | up]: gelu_tanh(gate) * up (Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: Optional[float] = None) -> torch.Tensor:

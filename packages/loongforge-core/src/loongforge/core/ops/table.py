@@ -11,10 +11,12 @@ from loongforge.core.ops import reference
 REFERENCE_OPS: dict[str, Callable] = {
     "rms_norm": reference.rms_norm,
     "add_rms_norm": reference.add_rms_norm,
+    "gemma_rms_norm": reference.gemma_rms_norm,
     "rope": reference.rope,
     "qkv_rope": reference.qkv_rope,
     "rotary": reference.rotary,
     "swiglu": reference.swiglu,
+    "geglu": reference.geglu,
     "layer_norm": reference.layer_norm,
     "gelu": reference.gelu,
     "attention": reference.attention,
