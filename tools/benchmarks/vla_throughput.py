@@ -120,7 +120,8 @@ def measure(name: str, step, infer, batch: int, args) -> dict:
 PROFILE_CATEGORIES = (
     ("attention", ("fmha", "flash", "attention", "Attention", "sdpa")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "Gemm")),
-    ("optimizer", ("multi_tensor", "foreach", "adam")),
+    ("optimizer", ("multi_tensor", "foreach", "adam", "sum_squares")),
+    ("norms and activations (our kernels)", ("_rms_norm", "_gated")),
 )
 
 
@@ -207,7 +208,7 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="also time LoongForge with torch.compile on the loss and the velocity")
     ap.add_argument("--compiled-only", action="store_true", help="with --compile: only the compiled rows (both sides)")
     ap.add_argument("--skip-lerobot", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="print the top kernels of our eager step")
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of each side's eager step")
     ap.add_argument("--tiny", action="store_true", help="the oracle's tiny shapes (a dry run of this script, on the CPU too)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "oracles"))
@@ -268,7 +269,15 @@ def main() -> int:
         loss_fn = lambda: lr.model.forward(imgs, masks, tokens, token_masks, actions)  # noqa: E731
         infer = lambda: lr.model.sample_actions(imgs1, masks1, one(tokens), one(token_masks))  # noqa: E731
         if not args.compiled_only:
-            rows.append(measure("LeRobot 0.4.4", train_step_fn(loss_fn, lr.parameters(), action_dim), infer, b, args))
+            step = train_step_fn(loss_fn, lr.parameters(), action_dim)
+            rows.append(measure("LeRobot 0.4.4", step, infer, b, args))
+            if args.profile and dev == "cuda":
+                from llm_throughput import profile_shares
+
+                shares = profile_shares(step, PROFILE_CATEGORIES, steps=2, top=25)
+                print(
+                    "shares of LeRobot's eager step's GPU time: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()), flush=True
+                )
             if dev == "cuda":
                 # LeRobot's own sample_actions, captured and replayed by the same GraphedCall as ours
                 from loongforge.core.accelerator.cuda_graph import GraphedCall
