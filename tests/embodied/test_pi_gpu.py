@@ -81,3 +81,33 @@ def test_graphed_sampler_equals_eager_sampling(variant):
         got, want = sampler(obs, noise), policy.sample_actions(obs, noise=noise)
         assert got.shape == (b, 4, 6)
         assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max()), (b, seed)
+
+
+@pytest.mark.parametrize("variant", ["pi05", "pi0"])
+def test_cuda_op_table_policy_equals_reference_ops(variant):
+    """The policy as `train` builds it on CUDA (the op table's kernels: Gemma's norm, GeGLU,
+    RoPE) against the same weights on core's plain-torch ops, fp32: the loss and every gradient."""
+    from loongforge.core.ops import OpTable
+    from loongforge.core.registry import registry
+    from loongforge.embodied.policies import Observation, PiPolicy
+    from test_pi_policy import observation, randomized, tiny
+
+    fast = OpTable.build(None, registry(), "cuda")
+    assert fast.gemma_rms_norm is not OpTable().gemma_rms_norm and fast.geglu is not OpTable().geglu
+    policies = [randomized(PiPolicy(tiny(variant), ops)).cuda() for ops in (fast, OpTable())]
+    policies[1].load_state_dict(policies[0].state_dict())
+    obs = observation(b=3, seed=0)
+    obs = Observation(*(None if x is None else x.cuda() for x in (obs.images, obs.image_masks, obs.tokens, obs.token_masks, obs.state)))
+    g = torch.Generator("cuda")
+    actions, noise = torch.randn(3, 4, 6, device="cuda"), torch.randn(3, 4, 6, device="cuda")
+    t = torch.tensor([0.1, 0.5, 0.9], device="cuda")
+    results = []
+    for p in policies:
+        loss = p.flow_matching_loss(obs, actions, noise=noise, t=t, generator=g.manual_seed(0)).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: q.grad for n, q in p.named_parameters() if q.grad is not None}))
+    (la, ga), (lb, gb) = results
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+    assert ga.keys() == gb.keys()
+    for n in gb:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6, msg=n)
