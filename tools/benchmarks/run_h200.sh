@@ -2,7 +2,7 @@
 # One device call: install the carried wheels (.whl, see docs/benchmarks.md), then run the parts
 # named in $PARTS (default: all) with their logs in $OUT:
 #   tests   GPU tests (tests/llm/test_gpu.py, tests/kernels/test_kernels_gpu.py)
-#   kerneltests  GPU tests of the kernels only (tests/kernels/test_kernels_gpu.py)
+#   kerneltests  GPU tests of the kernels only (tests/kernels/test_kernels_gpu.py; $KERNEL_K: pytest -k)
 #   kernels tools/benchmarks/kernels.py
 #   sft     tools/benchmarks/sft_throughput.py
 #   llm     tools/benchmarks/llm_throughput.py ($LLM_ARGS; $LLM_SETUPS: comma-separated setup names; $LLM_TIMEOUT s, default 400)
@@ -57,7 +57,7 @@ python3 -c "from loongforge.core.registry import registry; print('ops:', registr
 for part in $PARTS; do
   case $part in
     tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/llm/test_gpu.py tests/kernels/test_kernels_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log" ;;
-    kerneltests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernels_gpu.py 2>&1 | tail -20 | tee "$OUT/kernel_tests.log" ;;
+    kerneltests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernels_gpu.py ${KERNEL_K:+-k "$KERNEL_K"} 2>&1 | tail -20 | tee "$OUT/kernel_tests.log" ;;
     kernels) timeout 500 python3 tools/benchmarks/kernels.py ${KERNEL_ARGS:-} --json "$OUT/kernels.json" 2>&1 | grep -v -i "warn" | tee "$OUT/kernels.log" ;;
     sft) timeout 240 python3 tools/benchmarks/sft_throughput.py --json "$OUT/sft_throughput.json" 2>&1 | grep -v -i "warn" | tee "$OUT/sft_throughput.log" ;;
     profile) timeout 200 python3 tools/benchmarks/profile_step.py ${PROFILE_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/profile_step.log" ;;
