@@ -157,11 +157,16 @@ def test_expert_parallel_two_processes_match_one(single, ep2):
 
 
 @pytest.mark.slow
-def test_hot_expert_replication_keeps_the_math(single, hf_moe, tmp_path):
+@pytest.mark.parametrize("sp", [False, True])
+def test_hot_expert_replication_keeps_the_math(sp, single, hf_moe, tmp_path):
     """EP=2 with two spare slots per rank, re-planned every step: hot experts get copies on the
     other rank (each (token, expert) pair computed by one copy, the copies' gradients summed
-    into the home weight), and the losses and gradient norms are those of one process."""
+    into the home weight), and the losses and gradient norms are those of one process. With
+    TP=2 and sequence parallelism on the same two ranks, each routes half of the sequence: the
+    plan comes from both halves' counts, the same on both ranks."""
     extra = ["parallel.expert_model_parallel_size=2", "parallel.expert_spare_slots=2", "parallel.expert_replan_interval=1"]
+    if sp:
+        extra += ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
     _train(tmp_path, hf_moe, "train.save_interval=2", *extra, nproc=2)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     one = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()]

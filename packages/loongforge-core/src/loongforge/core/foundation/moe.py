@@ -67,8 +67,9 @@ def router_class():
     (`stats`) instead of megatron's global tracker. `stats` after a forward: `tokens_per_expert`
     [E] (this rank's tokens routed to each expert, fp32, detached) and each aux loss's value
     (without its coefficient). Under sequence parallelism each TP rank routes its share of the
-    sequence: the load counts and the logged losses are summed (z-loss: averaged) over the TP
-    group, and each rank's share of an aux loss joins backward at the whole sequence's token
+    sequence: `stats` and `load_window` hold this rank's share (`moe_metrics` sums them, z-loss
+    averaged, over the TP group in one all-reduce for every router; `replan_experts` the
+    window), and each rank's share of an aux loss joins backward at the whole sequence's token
     count. A factory, so that importing this module does not import megatron-core."""
     from megatron.core.transformer.moe.moe_utils import z_loss_func
     from megatron.core.transformer.moe.router import TopKRouter
@@ -85,18 +86,10 @@ def router_class():
             with torch.autocast(input.device.type, enabled=False):
                 return super().gating(input)
 
-        def _over_tp(self, value: torch.Tensor, mean: bool = False) -> torch.Tensor:
-            """`value` (detached) summed, or averaged, over the TP ranks sharing a sequence."""
-            if not self.config.sequence_parallel:
-                return value
-            value = value.clone()
-            dist.all_reduce(value, group=self.tp_cp_group)
-            return value / self.tp_cp_group.size() if mean else value
-
         def routing(self, logits, padding_mask=None):
             self.stats = {}
             probs, routing_map = super().routing(logits, padding_mask=padding_mask)
-            load = self._over_tp(routing_map.detach().sum(0, dtype=torch.float32))
+            load = routing_map.detach().sum(0, dtype=torch.float32)
             self.stats["tokens_per_expert"] = load
             if self.training and torch.is_grad_enabled():  # (not again when recompute repeats the forward)
                 self.load_window = load.clone() if self.load_window is None else self.load_window + load
@@ -106,7 +99,7 @@ def router_class():
             self, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group, reduce_group_has_dp=False, valid_token_count=None
         ):
             # (megatron's aux losses count tokens over the TP group: a rank's value is its share)
-            self.stats[aux_loss_name] = self._over_tp((aux_loss / aux_loss_coeff).detach().float())
+            self.stats[aux_loss_name] = (aux_loss / aux_loss_coeff).detach().float()
             tokens = valid_token_count if valid_token_count is not None else activation.shape[0]
             if self.config.sequence_parallel:
                 tokens = tokens * self.tp_cp_group.size()
@@ -117,7 +110,7 @@ def router_class():
             if coeff is None or not (self.training and torch.is_grad_enabled()):
                 return logits
             z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
-            self.stats["z_loss"] = self._over_tp((z_loss / coeff).detach().float(), mean=True)
+            self.stats["z_loss"] = (z_loss / coeff).detach().float()
             tokens = (~padding_mask).sum() if padding_mask is not None else logits.shape[0]
             return _AttachLoss.apply(logits, z_loss * tokens)
 
@@ -141,10 +134,10 @@ def moe_metrics(model_routers: list, weight: torch.Tensor) -> dict[str, torch.Te
     spare slots). Empty for a dense model."""
     out = {}
     ratios = []
-    for r in model_routers:
-        if "tokens_per_expert" not in r.stats:
+    for r, stats in zip(model_routers, stats_over_tp(model_routers)):
+        if "tokens_per_expert" not in stats:
             continue
-        load = r.stats["tokens_per_expert"]
+        load = stats["tokens_per_expert"]
         ratio = load.max() / load.mean().clamp(min=1e-12)
         ratios.append(ratio)
         out[f"moe/layer{r.layer_number - 1}/load_max_mean"] = ratio * weight
@@ -154,12 +147,29 @@ def moe_metrics(model_routers: list, weight: torch.Tensor) -> dict[str, torch.Te
             ranks = placement.rank_load_matrix @ (load / placement.copy_counts)
             out[f"moe/layer{r.layer_number - 1}/ep_load_max_mean"] = ranks.max() / ranks.mean().clamp(min=1e-12) * weight
             out[f"moe/layer{r.layer_number - 1}/replicas"] = placement.replicas * weight
-        for name, value in r.stats.items():
+        for name, value in stats.items():
             if name != "tokens_per_expert":
                 out[f"moe/layer{r.layer_number - 1}/{name}"] = value * weight
     if ratios:
         out["moe/load_max_mean"] = torch.stack(ratios).mean() * weight
     return out
+
+
+def stats_over_tp(model_routers: list) -> list[dict[str, torch.Tensor]]:
+    """Each router's `stats` for the whole sequence: under sequence parallelism summed (z-loss:
+    averaged) over the TP ranks sharing it, every router's in one all-reduce; as they are
+    otherwise."""
+    stats = [dict(r.stats) for r in model_routers]
+    keys = [(i, k) for i, r in enumerate(model_routers) if r.config.sequence_parallel for k in stats[i]]
+    if not keys:
+        return stats
+    group = model_routers[keys[0][0]].tp_cp_group
+    flat = torch.cat([stats[i][k].reshape(-1) for i, k in keys])
+    dist.all_reduce(flat, group=group)
+    for (i, k), value in zip(keys, flat.split([stats[i][k].numel() for i, k in keys])):
+        value = value.view_as(stats[i][k])
+        stats[i][k] = value / group.size() if k == "z_loss" else value
+    return stats
 
 
 def finish_step(model: nn.Module, group) -> None:
@@ -419,6 +429,8 @@ def replan_experts(model: nn.Module, group, spare_slots: int, ranks_per_node=Non
         if placed is None or m.router.load_window is None:
             continue
         load = m.router.load_window
+        if m.router.config.sequence_parallel:  # each TP rank counted its share of the sequence
+            dist.all_reduce(load, group=m.router.tp_cp_group)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(load, group=group)
         m.set_placement(plan_replication(load.double().cpu().numpy(), placed.placement.ep_size, spare_slots, ranks_per_node))
