@@ -125,6 +125,14 @@ PROFILE_CATEGORIES = (
 )
 
 
+def print_profile(whose: str, step) -> None:
+    """The top kernels of `step` and the shares of its GPU time by PROFILE_CATEGORIES."""
+    from llm_throughput import profile_shares
+
+    shares = profile_shares(step, PROFILE_CATEGORIES, steps=2, top=25)
+    print(f"shares of {whose} eager step's GPU time: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()), flush=True)
+
+
 def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, tokens, token_masks, actions, one) -> None:
     from loongforge.core.foundation.gemma import GemmaConfig
     from loongforge.core.foundation.siglip import SiglipVisionConfig
@@ -178,10 +186,7 @@ def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, t
         step = trainer_step_fn(loss_fn, ours.parameters(), action_dim, ops)
         rows.append(measure("LoongForge", step, lambda: ours.sample_actions(obs1), b, args))
         if args.profile and dev == "cuda":
-            from llm_throughput import profile_shares
-
-            shares = profile_shares(step, PROFILE_CATEGORIES, steps=2, top=25)
-            print("shares of our eager step's GPU time: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()), flush=True)
+            print_profile("our", step)
         if dev == "cuda":
             ours.eval()
             sampler, noise = ours.graphed_sampler(), torch.randn(1, chunk, 32, device=dev)
@@ -272,12 +277,7 @@ def main() -> int:
             step = train_step_fn(loss_fn, lr.parameters(), action_dim)
             rows.append(measure("LeRobot 0.4.4", step, infer, b, args))
             if args.profile and dev == "cuda":
-                from llm_throughput import profile_shares
-
-                shares = profile_shares(step, PROFILE_CATEGORIES, steps=2, top=25)
-                print(
-                    "shares of LeRobot's eager step's GPU time: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()), flush=True
-                )
+                print_profile("LeRobot's", step)
             if dev == "cuda":
                 # LeRobot's own sample_actions, captured and replayed by the same GraphedCall as ours
                 from loongforge.core.accelerator.cuda_graph import GraphedCall

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from loongforge.core.errors import UserError
 from loongforge.core.foundation.hf_mapping import Row, prefixed
 from loongforge.core.ops import OpTable
-from loongforge.core.ops.reference import rope_inv_freq
+from loongforge.core.ops.reference import rms_normalized, rope_inv_freq
 from torch import nn
 
 # Added to the scores of masked pairs: finite, so a query with no visible key (a padded token)
@@ -133,11 +133,6 @@ GEMMA_TABLE = (
 GEMMA_CAUSAL_LM_TABLE = prefixed(GEMMA_TABLE, hf_prefix="model.")  # HF `GemmaForCausalLM`; lm_head is tied
 
 
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-
-
 class GemmaRMSNorm(nn.Module):
     """`norm(x, cond=None)` -> (rms(x) * (1 + weight), None), computed in fp32 and cast back (the
     op table's `gemma_rms_norm`)."""
@@ -170,7 +165,7 @@ class AdaRMSNorm(nn.Module):
         if x.dim() == 3:
             mod = mod.unsqueeze(1)
         scale, shift, gate = mod.chunk(3, dim=-1)
-        return (_rms(x, self.eps) * (1 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
+        return (rms_normalized(x, self.eps) * (1 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
 
 
 def _norm(cfg: GemmaConfig, ops: OpTable) -> nn.Module:

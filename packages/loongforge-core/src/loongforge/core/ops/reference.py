@@ -10,17 +10,20 @@ import torch
 import torch.nn.functional as F
 
 
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its root mean square along the last dimension, in fp32 (the norms' shared part)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, cast back to the input dtype before the weight (as HF Llama)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * rms_normalized(x, eps).to(x.dtype)
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: rms(x) * (1 + weight), all in fp32, cast to the input dtype at the end."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+    return (rms_normalized(x, eps) * (1.0 + weight.float())).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
