@@ -105,18 +105,30 @@ def timed(step, warmup: int, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def profile_shares(step, categories, steps: int = 3, top: int = 15) -> dict:
+def profile_shares(step, categories, steps: int = 3, top: int = 15, ops: tuple[str, ...] = ()) -> dict:
     """Shares of GPU time by kernel category over `steps` steps of `step` (after one warm step):
     `categories` is ((name, (substring of a kernel name, ...)), ...); a kernel counts in its first
-    match. Prints the top kernels."""
+    match. Prints the top kernels, and with `ops` (aten op names such as "aten::copy_") the GPU
+    time of those ops by input shapes: which tensors the copies and concatenations move."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if ops else [ProfilerActivity.CUDA]
+    stacks = dict(record_shapes=True, with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+    with profile(activities=activities, **(stacks if ops else {})) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    if ops:
+        averages = prof.key_averages(group_by_input_shape=True, group_by_stack_n=4)
+        rows = [ev for ev in averages if ev.key in ops and ev.device_time_total]
+        print(f"GPU time of {', '.join(ops)} by input shapes and caller (per step; no caller: in backward):")
+        for ev in sorted(rows, key=lambda ev: -ev.device_time_total)[:top]:
+            where = " <- ".join(f.split("/")[-1] for f in ev.stack if not f.startswith("<built-in"))[:160] or "-"
+            print(
+                f"  {ev.device_time_total / steps / 1e3:6.2f} ms  {ev.count // steps:4d} calls  {ev.key}  {str(ev.input_shapes)[:110]}  {where}"
+            )
     kernels = {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)

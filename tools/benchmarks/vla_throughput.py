@@ -129,7 +129,9 @@ def print_profile(whose: str, step) -> None:
     """The top kernels of `step` and the shares of its GPU time by PROFILE_CATEGORIES."""
     from llm_throughput import profile_shares
 
-    shares = profile_shares(step, PROFILE_CATEGORIES, steps=2, top=25)
+    shares = profile_shares(
+        step, PROFILE_CATEGORIES, steps=2, top=25, ops=("aten::copy_", "aten::cat", "aten::add", "aten::add_", "aten::sum")
+    )
     print(f"shares of {whose} eager step's GPU time: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()), flush=True)
 
 
