@@ -54,6 +54,17 @@ def test_siglip_tower_matches_hf():
         assert rel_err(ours(pixels), want) > 1e-4
 
 
+def test_siglip_layers_see_contiguous_hidden_states():
+    """The patch convolution's output is channel-major; the tower hands its layers the token-major
+    layout (else each residual add keeps the transposed one and each norm copies its input)."""
+    tower = SiglipVisionTower(SiglipVisionConfig(num_layers=2))
+    seen = []
+    for layer in tower.layers:
+        layer.register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous()))
+    tower(torch.randn(2, 3, 28, 28))
+    assert seen == [True, True]
+
+
 def test_siglip_round_trip_is_bit_identical_and_bad_size_is_refused():
     cfg = SiglipVisionConfig()
     hf_state = {k: v for k, v in hf_siglip(cfg).state_dict().items() if not k.endswith("position_ids")}

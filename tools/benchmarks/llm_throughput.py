@@ -130,9 +130,10 @@ def profile_shares(step, categories, steps: int = 3, top: int = 15, ops: tuple[s
                 f"  {ev.device_time_total / steps / 1e3:6.2f} ms  {ev.count // steps:4d} calls  {ev.key}  {str(ev.input_shapes)[:110]}  {where}"
             )
     kernels = {}
+    annotations = {ev.name for ev in prof.events() if ev.is_user_annotation}  # ranges such as Optimizer.step, not kernels
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t and ev.device_type.name == "CUDA":
+        if t and ev.device_type.name == "CUDA" and ev.key not in annotations:
             kernels[ev.key] = kernels.get(ev.key, 0) + t
     total = sum(kernels.values())
     shares = {name: 0.0 for name, _ in categories}

@@ -310,10 +310,7 @@ class LlavaOnevisionVision(nn.Module):
                 f"LLaVA-OneVision tiles are [n, {vc.num_channels}, {vc.image_size}, {vc.image_size}], got {tuple(pixels.shape)}"
             )
         wanted = self.cfg.feature_layers
-        x = tower.patch_embed(pixels.to(tower.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
-        x = x + tower.pos_embed.weight.to(x.dtype)
-        if len(tower.layers):
-            x = x.to(tower.layers[0].qkv.weight.dtype)
+        x = tower.embed(pixels)
         states = {0: x}
         for i, layer in enumerate(tower.layers[: max(wanted)]):
             x = layer(x)

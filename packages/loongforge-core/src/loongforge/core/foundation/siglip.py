@@ -140,13 +140,20 @@ class SiglipVisionTower(nn.Module):
         size = self.cfg.image_size
         if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (self.cfg.num_channels, size, size):
             raise ValueError(f"SigLIP tower takes images [batch, {self.cfg.num_channels}, {size}, {size}], got {tuple(pixels.shape)}")
-        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
-        x = x + self.pos_embed.weight.to(x.dtype)
-        if len(self.layers):  # the embeddings may be kept in fp32 beside bf16 layers
-            x = x.to(self.layers[0].qkv.weight.dtype)
+        x = self.embed(pixels)
         for layer in self.layers:
             x = layer(x)
         return self.ops.layer_norm(x, self.final_norm.weight, self.final_norm.bias, self.cfg.norm_eps)
+
+    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Patch and position embeddings [b, patches, hidden] in the layers' dtype."""
+        # The convolution's output is channel-major: without `contiguous` every residual add of
+        # the tower would keep that transposed layout, and every norm would copy its input first.
+        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2).contiguous()
+        x = x + self.pos_embed.weight.to(x.dtype)
+        if len(self.layers):  # the embeddings may be kept in fp32 beside bf16 layers
+            x = x.to(self.layers[0].qkv.weight.dtype)
+        return x
 
     def blocks(self) -> list[nn.Module]:
         """The encoder layers: the unit of FSDP sharding and activation recompute."""
