@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 from loongforge.core.errors import UserError
-from loongforge.core.foundation.gemma import GemmaConfig
+from loongforge.core.foundation.gemma import GemmaConfig, attention_bias, masked_attention
 from loongforge.core.foundation.siglip import SiglipVisionConfig
 from loongforge.embodied.policies import Observation, PiConfig, PiPolicy, block_mask, time_embedding
 
@@ -90,6 +90,45 @@ def test_cached_sampling_equals_full_recompute(variant):
     assert float((got - x_t).abs().max() / x_t.abs().max()) < 1e-5
     # negative control: another step count integrates to different actions
     assert float((policy.sample_actions(obs, noise=noise, num_steps=2) - x_t).abs().max()) > 1e-3
+
+
+def one_joint_attention(policy, prefix, suffix, mask, positions, cond):
+    """The papers' formulation of `PiPolicy.joint`: each layer's queries, keys and values of
+    [prefix | suffix] concatenated into one attention under the whole block mask."""
+    n = prefix.shape[1]
+    bias = attention_bias(mask, prefix.dtype)
+    layers = list(zip(policy.backbone.layers, policy.expert.layers))
+    for idx, (lp, ls) in enumerate(layers):
+        qp, kp, vp, gp = lp(prefix, positions[:, :n], policy.backbone.inv_freq, phase="inputs")
+        qs, ks, vs, gs = ls(suffix, positions[:, n:], policy.expert.inv_freq, cond=cond, phase="inputs")
+        out = masked_attention(torch.cat([qp, qs], 2), torch.cat([kp, ks], 2), torch.cat([vp, vs], 2), bias)
+        if idx < len(layers) - 1:
+            prefix = lp(prefix, attn=out[:, :, :n], gate=gp, phase="finish")
+        suffix = ls(suffix, cond=cond, attn=out[:, :, n:], gate=gs, phase="finish")
+    return policy.expert.final_norm(suffix, cond)[0]
+
+
+@pytest.mark.parametrize("variant", ["pi05", "pi0"])
+def test_joint_pass_equals_one_attention_over_prefix_and_suffix(variant):
+    """`joint` runs the prefix's rows as their own attention; the loss and every gradient equal
+    one attention over the concatenation (padded tokens and a missing camera included)."""
+    policy = randomized(PiPolicy(tiny(variant))).train()
+    obs, actions = observation(), torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(4))
+    fixed = dict(noise=torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(5)), t=torch.tensor([0.3, 0.8]))
+
+    def loss_and_grads():
+        policy.zero_grad()
+        loss = policy.flow_matching_loss(obs, actions, **fixed)
+        loss.mean().backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None}
+
+    got, got_grads = loss_and_grads()
+    policy.joint = lambda *args: one_joint_attention(policy, *args)
+    want, want_grads = loss_and_grads()
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-6
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) > 20
+    for k, g in want_grads.items():
+        assert float((got_grads[k] - g).abs().max()) <= 1e-5 * float(g.abs().max()) + 1e-12, k
 
 
 @pytest.mark.parametrize("variant", ["pi05", "pi0"])

@@ -172,19 +172,22 @@ class PiPolicy(nn.Module):
     # ---- the joint decoder
     def joint(self, prefix, suffix, mask, positions, cond) -> torch.Tensor:
         """Both decoders over [prefix | suffix] through shared attention; the expert's final
-        hidden states [b, m, width]. The prefix's last MLP and final norm feed nothing the
-        policy reads, so they are not run."""
+        hidden states [b, m, width]. The block mask keeps the prefix from the suffix, so the
+        prefix's queries attend to the prefix alone and only the suffix's attend to [prefix |
+        suffix] (the joint attention's rows, without concatenating queries or splitting outputs;
+        a padded prefix row, which no real token reads, averages over the prefix only). The
+        prefix's last attention, MLP and final norm feed nothing the policy reads: not run."""
         n = prefix.shape[1]
         pos_p, pos_s = positions[:, :n], positions[:, n:]
-        mask = attention_bias(mask, prefix.dtype)
+        mask_p, mask_s = attention_bias(mask[:, :n, :n], prefix.dtype), attention_bias(mask[:, n:], prefix.dtype)
         layers = list(zip(self.backbone.layers, self.expert.layers))
         for idx, (lp, ls) in enumerate(layers):
             qp, kp, vp, gp = lp(prefix, pos_p, self.backbone.inv_freq, phase="inputs")
             qs, ks, vs, gs = ls(suffix, pos_s, self.expert.inv_freq, cond=cond, phase="inputs")
-            out = masked_attention(torch.cat([qp, qs], 2), torch.cat([kp, ks], 2), torch.cat([vp, vs], 2), mask)
             if idx < len(layers) - 1:
-                prefix = lp(prefix, attn=out[:, :, :n], gate=gp, phase="finish")
-            suffix = ls(suffix, cond=cond, attn=out[:, :, n:], gate=gs, phase="finish")
+                prefix = lp(prefix, attn=masked_attention(qp, kp, vp, mask_p), gate=gp, phase="finish")
+            attn = masked_attention(qs, torch.cat([kp, ks], 2), torch.cat([vp, vs], 2), mask_s)
+            suffix = ls(suffix, cond=cond, attn=attn, gate=gs, phase="finish")
         return self.expert.final_norm(suffix, cond)[0]
 
     def predict_velocity(self, obs: Observation, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
