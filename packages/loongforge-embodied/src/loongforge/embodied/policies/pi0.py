@@ -11,7 +11,8 @@ port are the reference implementations this follows):
   discretized state in the prompt; pi0 adds a state token (`state_proj`) and fuses the time into
   each action token (`action_time_mlp_in` / `_out`).
 - both decoders run layer by layer through one joint attention over [prefix | suffix] with the
-  block mask of the papers: a token sees every token of its own block and of earlier blocks.
+  block mask of the papers: a token sees every token of its own block and of earlier blocks (so
+  the prefix's rows are an attention of the prefix alone; `joint` runs them as one).
 - loss: x_t = t * noise + (1 - t) * actions, target u = noise - actions, squared error of the
   expert's prediction; t ~ Beta(1.5, 1) * 0.999 + 0.001.
 - sampling: Euler from t = 1 to 0 in `num_inference_steps`, the prefix's keys and values computed
