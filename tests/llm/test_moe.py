@@ -237,15 +237,23 @@ def test_tensor_parallel_with_sequence_parallel_matches_one(ep, single, hf_moe, 
     processes: at EP=2 the experts split over the same two ranks (each gathers both ranks'
     shares of the sequence); at EP=1 both hold every expert and route their own share (their
     expert gradients summed over the TP ranks). The aux and z losses, the q/k norms (whose
-    gradients sum over TP) and the routers (on 1/2 of the sequence each) all take part; losses,
-    the logged aux loss and the gradient norm equal one process."""
+    gradients sum over TP) and the routers (on 1/2 of the sequence each) all take part; losses
+    and the gradient norm equal one process at every step, the logged router statistics (each
+    rank's share summed over TP) at the first two.
+
+    The statistics swing with the weights at this learning rate (layer 2's z-loss 200, 33, 13,
+    30 over the four steps), so from the third step on they also amplify the fp32 reordering of
+    the TP sums in the weights (z-loss within 1e-7 at steps 1-2, 1.4e-6 at step 3, 1.5e-5 at step
+    4 in one run); the first two test how they are reduced."""
     layout = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", f"parallel.expert_model_parallel_size={ep}"]
     _train(tmp_path, hf_moe, *layout, nproc=2)
     manifest = json.loads((tmp_path / "checkpoints" / f"step_{STEPS:08d}" / "manifest.json").read_text())
     assert manifest["parallel"]["tensor_model_parallel_size"] == 2 and manifest["parallel"]["data_parallel_size"] == 1
-    assert len(_rows(tmp_path)) == STEPS
-    keys = ("loss", "grad_norm", "moe/layer1/load_balancing_loss", "moe/layer2/z_loss", "moe/layer2/load_max_mean")
-    _assert_close(_rows(tmp_path), _rows(single), keys)
+    got, want = _rows(tmp_path), _rows(single)
+    assert len(got) == STEPS
+    _assert_close(got, want, ("loss", "grad_norm"))
+    router = ("moe/layer1/load_balancing_loss", "moe/layer1/z_loss", "moe/layer2/z_loss", "moe/layer2/load_max_mean")
+    _assert_close(got[:2], want[:2], router)
 
 
 # ---- all-to-all dispatch (parallel.moe_token_dispatcher_type=alltoall, megatron-core's, run on gloo) ----
