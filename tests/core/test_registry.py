@@ -144,10 +144,8 @@ def torch_behaviour():
 before = torch_behaviour()
 assert torch_untouched() and state_dict_saver.torch is torch and filesystem_async.torch is torch
 acc = A.get_accelerator("cpu")
-assert torch_untouched(), "torch.cuda patched by setup"
-assert torch_behaviour() == before == (int if torch.cuda.is_available() else "raises"), (before, torch_behaviour())
-assert state_dict_saver.torch.cuda.current_device() == torch.device("cpu") and filesystem_async.torch.cuda.synchronize() is None
-assert state_dict_saver.torch.tensor is torch.tensor and state_dict_saver.torch.cuda.is_available is torch.cuda.is_available
+acc.manual_seed(0)
+assert state_dict_saver.torch is torch, "megatron adapted before a run lays out its parallel state"
 
 from loongforge.core.checkpoint import load_megatron, save_megatron
 from loongforge.core.foundation.families import LLAMA
@@ -155,6 +153,10 @@ from loongforge.core.foundation.spec import ModelConfig, build_gpt_model
 from loongforge.core.parallel import init_parallel
 
 ctx = init_parallel(1, 1, acc.backend, acc.device_type)
+assert torch_untouched(), "torch.cuda patched by prepare_megatron"
+assert torch_behaviour() == before == (int if torch.cuda.is_available() else "raises"), (before, torch_behaviour())
+assert state_dict_saver.torch.cuda.current_device() == torch.device("cpu") and filesystem_async.torch.cuda.synchronize() is None
+assert state_dict_saver.torch.tensor is torch.tensor and state_dict_saver.torch.cuda.is_available is torch.cuda.is_available
 acc.manual_seed(0)
 model = build_gpt_model(LLAMA.resolve(ModelConfig()), ctx)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -180,3 +182,24 @@ print("ok")
 
 def test_cpu_accelerator_leaves_torch_alone_and_checkpoints_round_trip():
     assert _fresh(CPU_SETUP).stdout.strip().endswith("ok")
+
+
+def test_torch_stack_does_not_import_megatron():
+    """The accelerator, its seeding and the torch stack's process group leave megatron-core
+    unimported (its import takes seconds on every start of a torch-stack run)."""
+    script = """
+import sys
+
+from loongforge.core.accelerator import get_accelerator
+from loongforge.core.config.schema import ParallelConfig, TrainConfig
+from loongforge.core.stacks.build import build_stack
+
+acc = get_accelerator("cpu")
+acc.manual_seed(0)
+stack, ctx = build_stack(ParallelConfig(stack="torch"), TrainConfig(), acc, acc.train_dtype())
+acc.manual_seed(1)
+assert ctx is None
+assert not [m for m in sys.modules if m.startswith("megatron")], sorted(m for m in sys.modules if m.startswith("megatron"))[:5]
+print("ok")
+"""
+    assert _fresh(script).stdout.strip().endswith("ok")

@@ -1,8 +1,9 @@
 """The accelerator interface and the two built-in backends, `cuda` and `cpu`.
 
 The `cpu` backend is a product feature ("debug any config on a laptop"): it runs megatron-core
-on gloo. Nothing is changed at import. `CPUAccelerator.setup()` (run by `get_accelerator()`,
-once per process, before any model is built) adapts the CUDA assumptions of the megatron-core
+on gloo. Nothing is changed at import. `CPUAccelerator.prepare_megatron()` (run by
+`init_parallel` before it lays out megatron's parallel state, so only by processes that use
+megatron-core: the torch stack never imports it) adapts the CUDA assumptions of the megatron-core
 code LoongForge runs on the CPU, each by replacing one attribute of one megatron module, and
 `teardown()` (run by `release_accelerator()`) puts every one back. torch itself is never
 patched: `torch.cuda.current_device()` and `torch.cuda.synchronize()` stay torch's.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -51,7 +53,11 @@ class Accelerator:
         """Process-wide preparation, called once before models are built."""
 
     def teardown(self) -> None:
-        """Undo `setup`."""
+        """Undo `setup` and `prepare_megatron`."""
+
+    def prepare_megatron(self) -> None:
+        """Adapt megatron-core to this device, once; `init_parallel` calls it before laying out
+        megatron's parallel state."""
 
     def device(self) -> torch.device:
         return torch.device(self.device_type)
@@ -89,6 +95,13 @@ class Accelerator:
 
     def set_rng_state(self, state: dict) -> None:
         torch.set_rng_state(state["cpu"])
+
+
+def _megatron_parallel_initialized() -> bool:
+    """Whether megatron's parallel state exists in this process (not where megatron-core was
+    never imported, as on the torch stack: importing it takes seconds)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    return ps is not None and ps.model_parallel_is_initialized()
 
 
 class _CPUCuda:
@@ -146,7 +159,9 @@ class CPUAccelerator(Accelerator):
     def is_available(cls) -> bool:
         return True
 
-    def setup(self) -> None:
+    def prepare_megatron(self) -> None:
+        if self._replaced:
+            return
         from megatron.core.tensor_parallel import random as mrandom
         from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -162,10 +177,9 @@ class CPUAccelerator(Accelerator):
         (forked by sequence-parallel embedding dropout, even at rate 0) as CPU generator states,
         seeded as megatron's `model_parallel_cuda_manual_seed` seeds its CUDA ones."""
         torch.manual_seed(seed)
-        from megatron.core import parallel_state as ps
-
-        if not ps.model_parallel_is_initialized():
+        if not _megatron_parallel_initialized():
             return
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import random as mrandom
 
         seeds = {
@@ -202,9 +216,7 @@ class CUDAAccelerator(Accelerator):
         """torch's generators, and megatron's tensor-parallel RNG tracker where megatron's
         parallel state exists (the megatron stack; the torch stack never initializes it)."""
         torch.manual_seed(seed)
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
+        if _megatron_parallel_initialized():
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(seed)

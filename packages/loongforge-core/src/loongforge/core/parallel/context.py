@@ -199,7 +199,11 @@ def init_parallel(
 
     Multi-process runs are started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
     """
+    from loongforge.core.accelerator import active_accelerator
     from loongforge.core.parallel.distributed import init_process_group
+
+    if active_accelerator() is not None:
+        active_accelerator().prepare_megatron()
     from megatron.core import parallel_state as ps
 
     init_process_group(backend, device_type)
