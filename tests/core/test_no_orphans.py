@@ -1,7 +1,7 @@
 """kill -9 of a trainer that has saved a checkpoint leaves no process of its behind (megatron's
-checkpoint writer keeps a multiprocessing Manager server, and with it a resource tracker, for
-the life of the trainer; its forked per-bucket writers can block forever on their results pipe
-when the trainer dies mid-save)."""
+forked per-bucket checkpoint writers can block forever on their results pipe when the trainer dies
+mid-save; megatron's own results queue would keep a multiprocessing Manager server, and with it a
+resource tracker, running for the life of the trainer)."""
 
 import os
 import signal
@@ -51,8 +51,7 @@ def test_kill_after_checkpoint_leaves_no_processes(tmp_path):
         os.kill(p.pid, signal.SIGKILL)  # the trainer alone, not its process group
         p.wait()
         # the trainer's children exit on their own: megatron's forked checkpoint writers once their
-        # write (with fsync) ends, the writer Manager within 0.2 s of the trainer's death; on a
-        # loaded 2-core CI machine that took over 10 s once
+        # write (with fsync) ends; on a loaded 2-core CI machine that took over 10 s once
         deadline = time.time() + 60
         while (left := _session(p.pid)) and time.time() < deadline:
             time.sleep(0.1)

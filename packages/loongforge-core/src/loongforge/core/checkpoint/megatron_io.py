@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
-import time
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -85,43 +83,20 @@ def init_optimizer_state(optimizer) -> None:
                 init_adamw_state(optimizer.state[p], p, getattr(optimizer, "ema_decay", 0.0), step=torch.tensor(0.0))
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Manager-server initializer: exit as soon as `parent` (the trainer) is gone."""
+def _ensure_write_results_queue() -> None:
+    """Give megatron's checkpoint writer its results queue: a queue of this process.
 
-    def watch():
-        while os.getppid() == parent:  # an orphan is re-parented (to init or a subreaper)
-            time.sleep(0.2)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-def _ensure_write_results_queue(sharded: dict) -> None:
-    """Give megatron's checkpoint writer its results queue before it makes its own.
-
-    `FileSystemWriterAsync` lazily creates one module-global queue, `_results_queue`, on a
-    spawn-context `multiprocessing` Manager that then runs for the life of the trainer (a server
-    process of ~250 MB, plus multiprocessing's resource tracker, whose pipe the server holds).
-    Nothing ends that server when the trainer is SIGKILLed, so both stayed behind as orphans.
-    The queue made here is the same kind (a Manager queue, so megatron's async saves work with it
-    unchanged), from a Manager whose server exits once its parent is gone; the resource tracker
-    then sees its pipe close and exits too. A watcher thread in the server rather than
-    prctl(PR_SET_PDEATHSIG): that signal fires when the *thread* that started the server exits,
-    which would kill the queue under a trainer that saves from a thread. This sets that one
-    global, once, only while megatron has not made it, and only on a rank that has shards to
-    write (megatron makes none elsewhere: with replicated weights and optimizer state every
-    data-parallel rank but the first writes nothing); a normal exit shuts the Manager down
-    through multiprocessing's own finalizer, as megatron's would be."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedBase, is_main_replica
+    Saves here are synchronous (`dist_checkpointing.save`): megatron runs its write function in
+    the calling process (its forked per-bucket writers report on a pipe of their own) and reads
+    the results back in the same process, so a thread queue carries them. Left to itself,
+    megatron makes one module-global queue on a spawn-context `multiprocessing` Manager: a server
+    process per trainer, a fresh interpreter importing torch (seconds of CPU at every first save)
+    that ran for the life of the trainer, with a resource tracker beside it. megatron makes the
+    queue only while the global is unset, so setting it once is enough."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    # torch_dist writes the main replica of each sharded entry only (keep_only_main_replica)
-    writes = any(isinstance(v, ShardedBase) and is_main_replica(v.replica_id) for v in nested_values(sharded))
-    if writes and filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # the context megatron uses
-        manager.start(_exit_with_parent, (os.getpid(),))
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps `manager` alive
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_megatron(directory: Path, model, optimizer=None, select: Select = None) -> None:
@@ -132,7 +107,7 @@ def save_megatron(directory: Path, model, optimizer=None, select: Select = None)
         sd = {"model": model_sd, "optimizer": osd}
     else:
         sd = {"model": _model_sharded(model, select)}
-    _ensure_write_results_queue(sd)
+    _ensure_write_results_queue()
     with writers_die_with_this_process():
         dist_checkpointing.save(sd, str(directory))
 
