@@ -122,21 +122,84 @@ def cli_env() -> dict:
 
 
 def run_cli(
-    args: list[str], nproc: int = 1, cwd: Path | None = None, timeout: int = 600, module: str = "loongforge.llm.cli"
+    args: list[str],
+    nproc: int = 1,
+    cwd: Path | None = None,
+    timeout: int = 600,
+    module: str = "loongforge.llm.cli",
+    torchrun: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run a CLI as a user would: `python -m ...` for one process, torchrun for several."""
+    """Run a CLI as a user would: `python -m ...`; with `nproc` > 1, that many such processes with
+    the environment torchrun gives its workers (`rank_env`), their stdout and stderr joined in rank
+    order, and the first failing rank's exit status (the others are then stopped, as torchrun
+    does). `torchrun=True` starts them through torchrun itself, whose agent process costs a torch
+    import more per job; one test runs the CLI so."""
     if nproc == 1:
         return subprocess.run(
             [sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
         )
     for _ in range(3):
-        port = str(free_port())
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", port, "-m", module, *args]
-        r = subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
-        # another process took the free port before torchrun's rendezvous bound it (no worker started yet): another port
+        port = free_port()
+        if torchrun:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port)]
+            r = subprocess.run([*cmd, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+        else:
+            r = _run_ranks([sys.executable, "-m", module, *args], nproc, port, cwd, timeout)
+        # another process took the free port before the rendezvous bound it (no rank started yet): another port
         if not (r.returncode != 0 and "failed to listen" in r.stderr and "EADDRINUSE" in r.stderr):
             return r
     return r
+
+
+def rank_env(rank: int, world: int, port: int) -> dict:
+    """The variables torchrun sets for worker `rank` of a one-node job of `world` processes (its
+    agent's own store aside: rank 0 hosts the rendezvous store at `port`)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # torchrun's default for several workers
+    }
+
+
+def _run_ranks(cmd: list[str], nproc: int, port: int, cwd: Path | None, timeout: float) -> subprocess.CompletedProcess:
+    import tempfile
+    import time
+
+    env = cli_env()
+    with tempfile.TemporaryDirectory() as logs:
+        outs = [(open(f"{logs}/{r}.out", "w+"), open(f"{logs}/{r}.err", "w+")) for r in range(nproc)]
+        procs = [
+            subprocess.Popen(cmd, cwd=cwd, env={**env, **rank_env(r, nproc, port)}, stdout=o, stderr=e) for r, (o, e) in enumerate(outs)
+        ]
+        deadline, timed_out = time.monotonic() + timeout, False
+        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+        failed = next((p for p in procs if p.returncode), None)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        text = []
+        for o, e in outs:
+            o.seek(0), e.seek(0)
+            text.append((o.read(), e.read()))
+            o.close(), e.close()
+    stdout, stderr = "".join(t[0] for t in text), "".join(t[1] for t in text)
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, failed.returncode if failed is not None else 0, stdout, stderr)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

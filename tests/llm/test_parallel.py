@@ -41,6 +41,7 @@ def test_two_process_layout_matches_single(layout, single, hf_llama4, tmp_path):
             *layout.split(),
         ],
         nproc=2,
+        torchrun=layout == "parallel.tensor_model_parallel_size=2",  # one job as the README starts it
     )
     assert r.returncode == 0, r.stderr[-3000:]
     got = losses(tmp_path)
