@@ -132,19 +132,19 @@ def run_cli(
     """Run a CLI as a user would: `python -m ...`; with `nproc` > 1, that many such processes with
     the environment torchrun gives its workers (`rank_env`), their stdout and stderr joined in rank
     order, and the first failing rank's exit status (the others are then stopped, as torchrun
-    does). `torchrun=True` starts them through torchrun itself, whose agent process costs a torch
-    import more per job; one test runs the CLI so."""
+    does). The processes are children of the fork server (cli_forkserver.py), which has the heavy
+    third-party modules imported, where that is the same as a fresh interpreter; else fresh ones.
+    `torchrun=True` starts them through torchrun itself, whose agent process costs a torch import
+    more per job; one test runs the CLI so."""
     if nproc == 1:
-        return subprocess.run(
-            [sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
-        )
+        return _run_processes(module, args, [{}], cwd, timeout)
     for _ in range(3):
         port = free_port()
         if torchrun:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port)]
             r = subprocess.run([*cmd, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
         else:
-            r = _run_ranks([sys.executable, "-m", module, *args], nproc, port, cwd, timeout)
+            r = _run_processes(module, args, [rank_env(rank, nproc, port) for rank in range(nproc)], cwd, timeout)
         # another process took the free port before the rendezvous bound it (no rank started yet): another port
         if not (r.returncode != 0 and "failed to listen" in r.stderr and "EADDRINUSE" in r.stderr):
             return r
@@ -170,16 +170,43 @@ def rank_env(rank: int, world: int, port: int) -> dict:
     }
 
 
-def _run_ranks(cmd: list[str], nproc: int, port: int, cwd: Path | None, timeout: float) -> subprocess.CompletedProcess:
+_fork_server = None
+
+
+def _server_for(env: dict):
+    """The fork server of this pytest process if it can start a process with `env`, else None.
+    LOONGFORGE_TEST_FORKSERVER=0 turns it off."""
+    global _fork_server
+    if os.environ.get("LOONGFORGE_TEST_FORKSERVER", "1") == "0":
+        return None
+    if _fork_server is None:
+        import atexit
+
+        from cli_forkserver import ForkServer
+
+        _fork_server = ForkServer(cli_env())
+        atexit.register(_fork_server.close)
+    return _fork_server if _fork_server.can_run(env) else None
+
+
+def _run_processes(module: str, args: list[str], extra_envs: list[dict], cwd: Path | None, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m module args` once per entry of `extra_envs` (added to `cli_env()`), all at once."""
     import tempfile
     import time
 
-    env = cli_env()
+    cmd = [sys.executable, "-m", module, *args]
     with tempfile.TemporaryDirectory() as logs:
-        outs = [(open(f"{logs}/{r}.out", "w+"), open(f"{logs}/{r}.err", "w+")) for r in range(nproc)]
-        procs = [
-            subprocess.Popen(cmd, cwd=cwd, env={**env, **rank_env(r, nproc, port)}, stdout=o, stderr=e) for r, (o, e) in enumerate(outs)
-        ]
+        procs, paths = [], []
+        for i, extra in enumerate(extra_envs):
+            env = {**cli_env(), **extra}
+            out, err = Path(logs) / f"{i}.out", Path(logs) / f"{i}.err"
+            paths.append((out, err))
+            server = _server_for(env)
+            if server is not None:
+                procs.append(server.start(module, args, cwd, env, out, err))
+            else:
+                with open(out, "w") as o, open(err, "w") as e:
+                    procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=o, stderr=e))
         deadline, timed_out = time.monotonic() + timeout, False
         while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
             if time.monotonic() > deadline:
@@ -191,12 +218,8 @@ def _run_ranks(cmd: list[str], nproc: int, port: int, cwd: Path | None, timeout:
             if p.poll() is None:
                 p.kill()
             p.wait()
-        text = []
-        for o, e in outs:
-            o.seek(0), e.seek(0)
-            text.append((o.read(), e.read()))
-            o.close(), e.close()
-    stdout, stderr = "".join(t[0] for t in text), "".join(t[1] for t in text)
+        stdout = "".join(out.read_text(errors="replace") for out, _ in paths)
+        stderr = "".join(err.read_text(errors="replace") for _, err in paths)
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
     return subprocess.CompletedProcess(cmd, failed.returncode if failed is not None else 0, stdout, stderr)
