@@ -175,9 +175,10 @@ _fork_server = None
 
 def _server_for(env: dict):
     """The fork server of this pytest process if it can start a process with `env`, else None.
-    LOONGFORGE_TEST_FORKSERVER=0 turns it off."""
+    LOONGFORGE_TEST_FORKSERVER=0 turns it off; so does a GPU (a CUDA driver that a parent process
+    has initialized, as an import may, cannot be used in a forked child)."""
     global _fork_server
-    if os.environ.get("LOONGFORGE_TEST_FORKSERVER", "1") == "0":
+    if os.environ.get("LOONGFORGE_TEST_FORKSERVER", "1") == "0" or torch.cuda.is_available():
         return None
     if _fork_server is None:
         import atexit

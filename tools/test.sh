@@ -7,7 +7,7 @@
 # other worker's processes slowed a test up to threefold.
 # The CLIs the tests run are forked from a server process per pytest process that has torch,
 # megatron-core and transformers imported (tests/cli_forkserver.py: ~10 s of CPU less per CLI run);
-# it is used where a child equals a fresh interpreter (one torch thread, the same environment);
+# it is used where a child equals a fresh interpreter (one torch thread, the same environment, no GPU);
 # LOONGFORGE_TEST_FORKSERVER=0 starts every CLI as a fresh interpreter.
 set -uo pipefail
 cd "$(dirname "$0")/.."

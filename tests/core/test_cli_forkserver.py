@@ -5,6 +5,7 @@ error, exit with a status, or raise."""
 import os
 
 import pytest
+import torch
 from conftest import FAST, _server_for, cli_env, losses, run_cli
 
 pytestmark = pytest.mark.slow
@@ -23,9 +24,11 @@ def _forked_then_fresh(monkeypatch, args_of, **kw):
     """`run_cli(args_of(how), **kw)` through the fork server (how="forked"), then in a fresh
     interpreter (how="fresh")."""
     if _server_for(cli_env()) is None:
-        # the server forks only from one thread: numpy's BLAS pool is a second one without OMP_NUM_THREADS=1
-        assert os.environ.get("OMP_NUM_THREADS") != "1" or os.environ.get("LOONGFORGE_TEST_FORKSERVER") == "0"
-        pytest.skip("the fork server is off here (LOONGFORGE_TEST_FORKSERVER=0, or OMP_NUM_THREADS is not 1)")
+        # the server forks only from one thread (numpy's BLAS pool is a second one without
+        # OMP_NUM_THREADS=1) and not on a GPU
+        off = os.environ.get("LOONGFORGE_TEST_FORKSERVER") == "0" or os.environ.get("OMP_NUM_THREADS") != "1"
+        assert off or torch.cuda.is_available()
+        pytest.skip("the fork server is off here (LOONGFORGE_TEST_FORKSERVER=0, OMP_NUM_THREADS is not 1, or a GPU)")
     forked = run_cli(args_of("forked"), **kw)
     with monkeypatch.context() as m:
         m.setenv("LOONGFORGE_TEST_FORKSERVER", "0")
