@@ -99,7 +99,6 @@ class ForkServer:
         )
         ready = json.loads(self._proc.stdout.readline() or "{}")
         self.usable = ready.get("threads") == 1
-        self._count = 0
 
     def can_run(self, env: dict) -> bool:
         if not self.usable or self._proc.poll() is not None:
@@ -108,8 +107,7 @@ class ForkServer:
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def start(self, module: str, args: list[str], cwd: Path | None, env: dict, out: Path, err: Path) -> ForkedProcess:
-        self._count += 1
-        status = out.with_name(f"{out.name}.status{self._count}")
+        status = out.with_suffix(".status")
         req = {"module": module, "args": args, "cwd": str(cwd or os.getcwd()), "env": env, "out": str(out), "err": str(err)}
         self._proc.stdin.write(json.dumps({**req, "status": str(status)}) + "\n")
         self._proc.stdin.flush()
@@ -134,6 +132,16 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
+def _output_stream(fd: int, encoding: str, **kw):
+    """The text stream an interpreter opens on `fd` (unbuffered under PYTHONUNBUFFERED)."""
+    import io
+
+    raw = io.FileIO(fd, "w", closefd=False)
+    if os.environ.get("PYTHONUNBUFFERED"):
+        return io.TextIOWrapper(raw, encoding=encoding, write_through=True, **kw)
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding=encoding, **kw)
+
+
 def _run_child(req: dict, reply_fd: int) -> None:
     import atexit
     import io
@@ -152,21 +160,10 @@ def _run_child(req: dict, reply_fd: int) -> None:
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     enc = sys.stdout.encoding
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding=enc)
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False) if unbuffered else io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
-        encoding=enc,
-        write_through=unbuffered,
-    )
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False) if unbuffered else io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-        encoding=enc,
-        errors="backslashreplace",
-        line_buffering=True,
-        write_through=unbuffered,
-    )
+    sys.stdout = sys.__stdout__ = _output_stream(1, enc)
+    sys.stderr = sys.__stderr__ = _output_stream(2, enc, errors="backslashreplace", line_buffering=True)
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()

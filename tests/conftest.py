@@ -195,11 +195,11 @@ def _run_processes(module: str, args: list[str], extra_envs: list[dict], cwd: Pa
     import tempfile
     import time
 
-    cmd = [sys.executable, "-m", module, *args]
+    cmd, base_env = [sys.executable, "-m", module, *args], cli_env()
     with tempfile.TemporaryDirectory() as logs:
         procs, paths = [], []
         for i, extra in enumerate(extra_envs):
-            env = {**cli_env(), **extra}
+            env = {**base_env, **extra}
             out, err = Path(logs) / f"{i}.out", Path(logs) / f"{i}.err"
             paths.append((out, err))
             server = _server_for(env)
