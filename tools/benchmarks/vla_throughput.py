@@ -14,7 +14,7 @@ linears too), the action projections and the time MLP in fp32. LeRobot runs thro
 tools/oracles/pi_vs_lerobot.py (the adaRMS patch of transformers 4.53.2 it needs; see there for
 the wheels to install into `--site`).
 
-    python tools/benchmarks/vla_throughput.py --site /tmp/site_lr [--steps 10] [--compile [--compiled-only]]
+    python tools/benchmarks/vla_throughput.py --site /tmp/site_lr [--steps 10] [--compile [--compiled-only] [--compiled-step-only]]
 
 Prints samples/s and peak memory of a training step, and the latency of one action chunk (10
 flow steps, batch 1), for each side and their ratios. On CUDA the chunk is also timed as one CUDA
@@ -99,12 +99,14 @@ def chunk_latency(name: str, infer, args) -> dict:
 
 
 def measure(name: str, step, infer, batch: int, args) -> dict:
+    """A row of the training step's samples/s and peak memory, and of the chunk latency of `infer`
+    (none where `infer` is None)."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = timed(step, args.warmup, args.steps)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    lat = timed(infer, 2, args.latency_iters)
+    lat = timed(infer, 2, args.latency_iters) if infer is not None else [float("nan")]
     row = {
         "name": name,
         "step_ms": 1e3 * statistics.median(times),
@@ -200,7 +202,8 @@ def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, t
             compiled_velocity = torch.compile(ours.cached_velocity)
             ours.cached_velocity = compiled_velocity
             step = trainer_step_fn(lambda: compiled_loss(obs, actions), ours.parameters(), action_dim, ops)
-            rows.append(measure("LoongForge + compile", step, lambda: ours.sample_actions(obs1), b, args))
+            infer = None if args.compiled_step_only else lambda: ours.sample_actions(obs1)
+            rows.append(measure("LoongForge + compile", step, infer, b, args))
         except Exception as e:  # report and keep the eager rows
             print(f"compile failed: {type(e).__name__}: {e}", flush=True)
 
@@ -214,6 +217,11 @@ def main() -> int:
     ap.add_argument("--latency-iters", type=int, default=10)
     ap.add_argument("--compile", action="store_true", help="also time LoongForge with torch.compile on the loss and the velocity")
     ap.add_argument("--compiled-only", action="store_true", help="with --compile: only the compiled rows (both sides)")
+    ap.add_argument(
+        "--compiled-step-only",
+        action="store_true",
+        help="with --compile: the compiled rows time the training step only (compiling LeRobot's 10-step sampler is the slow part)",
+    )
     ap.add_argument("--skip-lerobot", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of each side's eager step")
     ap.add_argument("--tiny", action="store_true", help="the oracle's tiny shapes (a dry run of this script, on the CPU too)")
@@ -305,13 +313,13 @@ def main() -> int:
                 lr.model.forward = torch.compile(lr.model.forward)
                 lr.model.sample_actions = torch.compile(lr.model.sample_actions)
                 step = train_step_fn(loss_fn, lr.parameters(), action_dim)
-                rows.append(measure("LeRobot 0.4.4 + compile", step, infer, b, args))
+                rows.append(measure("LeRobot 0.4.4 + compile", step, None if args.compiled_step_only else infer, b, args))
             except Exception as e:
                 print(f"LeRobot compile failed: {type(e).__name__}: {e}", flush=True)
 
-    print(f"\n{'':22s} {'step ms':>9s} {'samples/s':>10s} {'peak GiB':>9s} {'chunk ms':>9s}")
+    print(f"\n{'':24s} {'step ms':>9s} {'samples/s':>10s} {'peak GiB':>9s} {'chunk ms':>9s}")
     for r in rows:
-        print(f"{r['name']:22s} {r['step_ms']:9.1f} {r['samples_per_s']:10.2f} {r['peak_gib']:9.1f} {r['chunk_latency_ms']:9.1f}")
+        print(f"{r['name']:24s} {r['step_ms']:9.1f} {r['samples_per_s']:10.2f} {r['peak_gib']:9.1f} {r['chunk_latency_ms']:9.1f}")
     by_name = {r["name"]: r for r in rows}
     pairs = (("LoongForge", "LeRobot 0.4.4"), ("LoongForge + compile", "LeRobot 0.4.4 + compile"))
     for ours_name, theirs_name in pairs:
