@@ -2,19 +2,22 @@
 `PI05Policy` (lerobot 0.4.4) in one run on one GPU.
 
 Shape of the paper's model: PaliGemma (SigLIP So400m/14 at 224, Gemma 2B) plus the 300M action
-expert, batch 32, 2 cameras, a 200-token prompt, action chunk 50 (32-wide), AdamW (betas 0.9 /
-0.95, weight decay 0.01) with gradient clipping at 1.0 on both sides, each side's update as its
-trainer runs it (LeRobot: torch.optim.AdamW and clip_grad_norm_; ours: TableAdamW with the op
-table's `adamw` and `sum_squares`, clipping inside the update), no activation recompute,
-no torch.compile unless `--compile` (then both sides also run compiled, in torch.compile's
-default mode: LoongForge's loss and denoising step, LeRobot's forward and sample_actions as its
-`compile_model` option compiles them). Precision: LeRobot's `dtype="bfloat16"` on both sides:
-bf16 weights, with the patch and position embeddings, the Gemma norms (the adaptive norms'
-linears too), the action projections and the time MLP in fp32. LeRobot runs through the harness of
-tools/oracles/pi_vs_lerobot.py (the adaRMS patch of transformers 4.53.2 it needs; see there for
-the wheels to install into `--site`).
+expert, batch 32, 2 cameras, a 200-token prompt, action chunk 50 (32-wide), AdamW (betas 0.9 / 0.95,
+weight decay 0.01) with gradient clipping at 1.0 on both sides, each side's update as its trainer
+runs it (LeRobot: torch.optim.AdamW and clip_grad_norm_; ours: TableAdamW with the op table's
+`adamw` and `sum_squares`, clipping inside the update), no activation recompute unless `--recompute`
+(then each side's own: LeRobot's `gradient_checkpointing_enable()`, which recomputes each joint
+layer, the final norms and the image and language embeddings, the vision tower as one piece; our
+trainer's per-block recompute of `PiPolicy.blocks()`, as `train.recompute: true` sets it up), no torch.compile unless `--compile`
+(then both sides also run compiled, in torch.compile's default mode: LoongForge's loss and denoising
+step, LeRobot's forward and sample_actions as its `compile_model` option compiles them). Precision:
+LeRobot's `dtype="bfloat16"` on both sides: bf16 weights, with the patch and position embeddings,
+the Gemma norms (the adaptive norms' linears too), the action projections and the time MLP in fp32.
+LeRobot runs through the harness of tools/oracles/pi_vs_lerobot.py (the adaRMS patch of transformers
+4.53.2 it needs; see there for the wheels to install into `--site`).
 
-    python tools/benchmarks/vla_throughput.py --site /tmp/site_lr [--steps 10] [--compile [--compiled-only] [--compiled-step-only]]
+    python tools/benchmarks/vla_throughput.py --site /tmp/site_lr [--steps 10] [--batch 32] [--recompute]
+        [--compile [--compiled-only] [--compiled-step-only]]
 
 Prints samples/s and peak memory of a training step, and the latency of one action chunk (10
 flow steps, batch 1), for each side and their ratios. On CUDA the chunk is also timed as one CUDA
@@ -185,6 +188,11 @@ def run_ours(args, rows, dev, b, size, chunk, action_dim, images, image_masks, t
     obs = Observation(images.bfloat16(), image_masks, tokens, token_masks)
     obs1 = Observation(one(obs.images), one(image_masks), one(tokens), one(token_masks))
     ours.train()
+    if args.recompute:
+        from loongforge.core.stacks.torch_native import recompute_block
+
+        for block in ours.blocks():
+            recompute_block(block)
     loss_fn = lambda: ours.flow_matching_loss(obs, actions)  # noqa: E731
     if not args.compiled_only:
         step = trainer_step_fn(loss_fn, ours.parameters(), action_dim, ops)
@@ -222,6 +230,7 @@ def main() -> int:
         action="store_true",
         help="with --compile: the compiled rows time the training step only (compiling LeRobot's 10-step sampler is the slow part)",
     )
+    ap.add_argument("--recompute", action="store_true", help="activation recompute on both sides (each side's own)")
     ap.add_argument("--skip-lerobot", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of each side's eager step")
     ap.add_argument("--tiny", action="store_true", help="the oracle's tiny shapes (a dry run of this script, on the CPU too)")
@@ -278,6 +287,8 @@ def main() -> int:
         with torch.device(dev):
             lr = modeling_pi05.PI05Policy(lr_cfg)
         print(f"LeRobot PI05Policy: {sum(p.numel() for p in lr.parameters()) / 1e9:.3f}B parameters", flush=True)
+        if args.recompute:
+            lr.model.gradient_checkpointing_enable()
         lr.train()
         imgs, masks = list(images.unbind(1)), list(image_masks.unbind(1))
         imgs1, masks1 = [one(x) for x in imgs], [one(x) for x in masks]
