@@ -24,7 +24,7 @@ from loongforge.core.foundation.hf_native import build_hf_causal_lm
 from loongforge.core.foundation.spec import ModelConfig
 from loongforge.core.ops import OpTable
 from loongforge.core.parallel import free_port
-from loongforge.core.stacks.torch_native import TorchNativeStack
+from loongforge.core.stacks.torch_native import TorchNativeStack, recompute_block
 from loongforge.core.train.optimizer import TableAdamW
 
 CFG = ModelConfig(
@@ -248,6 +248,29 @@ def test_recompute_and_bf16(single, tmp_path):
     again = Run("zero1", 1, 2, params_dtype=torch.bfloat16, master_weights=False)
     again.stack.load(tmp_path / "pure", again.model, again.opt, optimizer_steps=2)
     assert again.train(2) == want
+
+
+def test_recompute_block_checkpoints_only_under_autograd(monkeypatch):
+    """A recomputed block's forward goes through the checkpoint where autograd records (and its
+    gradients equal the plain block's); under no_grad it runs the block plainly."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    block.load_state_dict(plain.state_dict())
+    recompute_block(block)
+    runs, checkpoints = [], []
+    block[0].register_forward_pre_hook(lambda *a: runs.append(1))
+    real = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: checkpoints.append(1) or real(*a, **k))
+    x = torch.randn(4, 8)
+    block(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert (len(runs), len(checkpoints)) == (2, 1)  # forward + recompute, through one checkpoint
+    for got, want in zip(block.parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), plain(x), rtol=0, atol=0)
+    assert (len(runs), len(checkpoints)) == (3, 1)
 
 
 @pytest.mark.slow

@@ -67,10 +67,14 @@ def recompute_block(block: torch.nn.Module) -> None:
     """Activation checkpointing of one block: its forward runs under non-reentrant
     `torch.utils.checkpoint`, replacing the bound method in place so parameter names (and
     so checkpoints) are the same with and without recompute, and fully_shard/compile still
-    see the module itself."""
+    see the module itself. Without autograd (sampling, evaluation) the block runs plainly: there
+    is nothing to recompute, and the checkpoint's per-call bookkeeping (device and RNG state,
+    saved-tensor hooks) is host time that a launch-bound sampler such as pi0.5's pays per layer."""
     inner = block.forward
 
     def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
         return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     block.forward = forward
