@@ -108,8 +108,16 @@ class ForkServer:
 
     def start(self, module: str, args: list[str], cwd: Path | None, env: dict, out: Path, err: Path) -> ForkedProcess:
         status = out.with_suffix(".status")
-        req = {"module": module, "args": args, "cwd": str(cwd or os.getcwd()), "env": env, "out": str(out), "err": str(err)}
-        self._proc.stdin.write(json.dumps({**req, "status": str(status)}) + "\n")
+        req = {
+            "module": module,
+            "args": args,
+            "cwd": str(cwd or os.getcwd()),
+            "env": env,
+            "out": str(out),
+            "err": str(err),
+            "status": str(status),
+        }
+        self._proc.stdin.write(json.dumps(req) + "\n")
         self._proc.stdin.flush()
         reply = json.loads(self._proc.stdout.readline())
         return ForkedProcess(reply["pid"], status)

@@ -8,9 +8,10 @@ runs it (LeRobot: torch.optim.AdamW and clip_grad_norm_; ours: TableAdamW with t
 `adamw` and `sum_squares`, clipping inside the update), no activation recompute unless `--recompute`
 (then each side's own: LeRobot's `gradient_checkpointing_enable()`, which recomputes each joint
 layer, the final norms and the image and language embeddings, the vision tower as one piece; our
-trainer's per-block recompute of `PiPolicy.blocks()`, as `train.recompute: true` sets it up), no torch.compile unless `--compile`
-(then both sides also run compiled, in torch.compile's default mode: LoongForge's loss and denoising
-step, LeRobot's forward and sample_actions as its `compile_model` option compiles them). Precision:
+trainer's per-block recompute of `PiPolicy.blocks()`, as `train.recompute: true` sets it up), no
+torch.compile unless `--compile` (then both sides also run compiled, in torch.compile's default
+mode: LoongForge's loss and denoising step, LeRobot's forward and sample_actions as its
+`compile_model` option compiles them). Precision:
 LeRobot's `dtype="bfloat16"` on both sides: bf16 weights, with the patch and position embeddings,
 the Gemma norms (the adaptive norms' linears too), the action projections and the time MLP in fp32.
 LeRobot runs through the harness of tools/oracles/pi_vs_lerobot.py (the adaRMS patch of transformers
